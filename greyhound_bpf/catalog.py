@@ -1,0 +1,170 @@
+"""Probe catalogs: which library, which symbols, what each argument slot means.
+
+Loaded from probes/*.toml (shipped as ``greyhound_bpf.probes``). Function ids
+are assigned in catalog order and index the BPF program slots, so they are
+stable for one loaded catalog, not across versions: events carry names.
+"""
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+# Argument slot names that become event fields. Anything else in a catalog is
+# a mistake (a typo would silently drop a field), so loading rejects it.
+FIELD_NAMES = frozenset({
+    "count", "dtype", "op", "peer", "root", "comm", "stream", "nranks", "rank",
+    "parent", "color", "key", "event", "memcpy_kind",
+})
+IGNORED = "_"
+MAX_ARGS = 8      # GH_MAX_ARGS in probes/greyhound.h
+MAX_FUNCS = 48    # GH_MAX_FUNCS in probes/greyhound.h
+
+# Enum decoders named by a catalog's `enums` table (values from nccl.h and
+# driver_types.h). Unknown values are reported as their number.
+ENUMS: dict[str, dict[int, str]] = {
+    "nccl_dtype": {0: "int8", 1: "uint8", 2: "int32", 3: "uint32", 4: "int64",
+                   5: "uint64", 6: "float16", 7: "float32", 8: "float64",
+                   9: "bfloat16", 10: "float8e4m3", 11: "float8e5m2"},
+    "nccl_op": {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"},
+    "cuda_memcpy_kind": {0: "HostToHost", 1: "HostToDevice", 2: "DeviceToHost",
+                         3: "DeviceToDevice", 4: "Default"},
+}
+# Bytes per element, for the `bytes` of NCCL calls.
+NCCL_DTYPE_SIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2,
+                   10: 1, 11: 1}
+# Slots that hold C ints: the register's upper half is garbage.
+INT_FIELDS = frozenset({"dtype", "op", "peer", "root", "nranks", "rank",
+                        "color", "key", "memcpy_kind"})
+
+
+class CatalogError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    fid: int
+    family: str
+    name: str
+    kind: str                 # collective, p2p, group, init, teardown, sync, marker, memcpy
+    symbols: tuple[str, ...]  # tried in order
+    args: tuple[str, ...]     # slot names, "_" for unreported
+    deref: tuple[int, ...]    # slots that are out-parameter pointers
+    returns: bool             # False for void functions: ret is not reported
+
+    @property
+    def nargs(self) -> int:
+        return len(self.args)
+
+    @property
+    def deref_mask(self) -> int:
+        return sum(1 << i for i in self.deref)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    sonames: tuple[str, ...]
+    functions: tuple[FunctionSpec, ...]
+    counters: tuple[str, ...]
+    enums: dict
+
+    def matches(self, path: str) -> bool:
+        base = path.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(base, pat) for pat in self.sonames)
+
+
+class Catalog:
+    def __init__(self, families: list[Family]):
+        self.families = {f.name: f for f in families}
+        self.functions: list[FunctionSpec] = [fn for f in families for fn in f.functions]
+        self.by_name = {fn.name: fn for fn in self.functions}
+
+    def family_for(self, path: str) -> Family | None:
+        for fam in self.families.values():
+            if fam.matches(path):
+                return fam
+        return None
+
+    def decode(self, fn: FunctionSpec, slots, ret: int, flags: int) -> dict:
+        """Turn raw argument slots into event fields."""
+        fam = self.families[fn.family]
+        out: dict = {}
+        for i, name in enumerate(fn.args):
+            if name == IGNORED:
+                continue
+            v = int(slots[i])
+            if name in INT_FIELDS:
+                v = _s32(v)
+            if name in fam.enums:
+                v = ENUMS[fam.enums[name]].get(v, v)
+            out[name] = v
+        if fn.family == "nccl" and "count" in out and "dtype" in fn.args:
+            size = NCCL_DTYPE_SIZE.get(int(slots[fn.args.index("dtype")]) & 0xFFFFFFFF)
+            if size:
+                out["bytes"] = out["count"] * size
+        out["ret"] = _s32(ret) if fn.returns else None
+        if flags & 0x1:
+            out["deref_failed"] = True
+        return out
+
+
+def _s32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v & 0x80000000 else v
+
+
+def probes_dir() -> Path:
+    return Path(str(resources.files("greyhound_bpf.probes")))
+
+
+def load_catalog(directory: Path | None = None) -> Catalog:
+    directory = directory or probes_dir()
+    families = []
+    fid = 0
+    for path in sorted(directory.glob("*.toml")):
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+        fams, fid = _parse_family(raw, path.name, fid)
+        families.append(fams)
+    if fid > MAX_FUNCS:
+        raise CatalogError(f"{fid} functions exceed the {MAX_FUNCS} BPF slots")
+    return Catalog(families)
+
+
+def _parse_family(raw: dict, where: str, fid: int) -> tuple[Family, int]:
+    try:
+        name = raw["family"]
+        sonames = raw["soname"]
+    except KeyError as e:
+        raise CatalogError(f"{where}: missing {e}") from None
+    if isinstance(sonames, str):
+        sonames = [sonames]
+    enums = raw.get("enums", {})
+    for field, enum in enums.items():
+        if enum not in ENUMS:
+            raise CatalogError(f"{where}: unknown enum {enum!r} for {field}")
+    fns = []
+    for entry in raw.get("function", []):
+        args, deref = [], []
+        for i, slot in enumerate(entry.get("args", [])):
+            if slot.endswith("*"):
+                slot = slot[:-1]
+                deref.append(i)
+            if slot != IGNORED and slot not in FIELD_NAMES:
+                raise CatalogError(f"{where}: {entry['name']}: unknown field {slot!r}")
+            args.append(slot)
+        if len(args) > MAX_ARGS:
+            raise CatalogError(f"{where}: {entry['name']}: more than {MAX_ARGS} slots")
+        fns.append(FunctionSpec(
+            fid=fid, family=name, name=entry["name"], kind=entry["kind"],
+            symbols=tuple(entry.get("symbols", [entry["name"]])),
+            args=tuple(args), deref=tuple(deref),
+            returns=bool(entry.get("returns", True)),
+        ))
+        fid += 1
+    counters = tuple(c["name"] for c in raw.get("counter", []))
+    return Family(name, tuple(sonames), tuple(fns), counters, dict(enums)), fid

@@ -1,0 +1,133 @@
+"""greyhound-trace: the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import GreyhoundError, __version__
+
+EPILOG_ATTACH = """\
+examples:
+  sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
+  sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
+  sudo greyhound-trace attach 4242 --json ev.jsonl --calls --duration 60
+  sudo greyhound-trace attach 4242 --json - | jq 'select(.kind=="lost")'
+  sudo greyhound-trace attach --wait $(pgrep -f train.sh)   # libraries not loaded yet
+
+exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
+1 for an environment problem (not root, BCC, kernel); 2 for bad input.
+"""
+
+EPILOG_CHECK = """\
+examples:
+  greyhound-trace check                # can this machine trace?
+  sudo greyhound-trace check --pid 4242   # ...and which libraries does 4242 map?
+"""
+
+
+def _pid(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"not a PID: {text!r}")
+    return v
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="greyhound-trace",
+        description="Catch fail-slow GPUs and links in a running training job with eBPF.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    a = sub.add_parser("attach", help="trace a running job (needs root)",
+                       description="Attach uprobes to the NCCL, CUDA runtime and gloo calls of "
+                                   "a running job and its ranks, without restarting it.",
+                       epilog=EPILOG_ATTACH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("pids", metavar="PID", type=_pid, nargs="+",
+                   help="a rank, or a launcher (torchrun, mpirun, a script): its ranks are found")
+    a.add_argument("-i", "--interval", type=_positive, default=1.0, metavar="S",
+                   help="seconds between text summaries (default 1)")
+    a.add_argument("-n", "--count", type=int, metavar="N", help="stop after N summaries")
+    a.add_argument("-j", "--json", nargs="?", const="-", metavar="FILE",
+                   help="write JSON-lines events to FILE (default: stdout; the text "
+                        "summary then goes to stderr)")
+    a.add_argument("--calls", action="store_true",
+                   help="include one `call` event per probed call in the JSON stream")
+    a.add_argument("-d", "--duration", type=_positive, metavar="S", help="stop after S seconds")
+    a.add_argument("--wait", action="store_true",
+                   help="wait for the targets to load a probed library instead of failing")
+    a.add_argument("--job", help="job name in events (default: the first PID's name-pid)")
+    a.add_argument("--ringbuf-pages", type=int, default=None, metavar="N",
+                   help="BPF ring buffer size in 4 KiB pages, a power of two (default 256)")
+    a.add_argument("--count-launches", action="store_true",
+                   help="count cudaLaunchKernel per process, in the kernel")
+    a.add_argument("-q", "--quiet", action="store_true", help="no interval summaries")
+    a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
+
+    c = sub.add_parser("check", help="can this machine trace? what does PID map?",
+                       description="Check every requirement of `attach` and print the fix "
+                                   "for each one that fails. Exit 0 when tracing can work.",
+                       epilog=EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--pid", type=_pid, help="also report which probe libraries PID maps")
+    c.add_argument("--no-load", action="store_true", help="skip compiling the BPF program")
+    return p
+
+
+def cmd_attach(args) -> int:
+    from .session import AttachOptions, AttachSession
+    from .tracer import DEFAULT_RINGBUF_PAGES
+    if args.ebpf:
+        from .tracer import Tracer
+        from .catalog import load_catalog
+        t = Tracer(load_catalog(), args.ringbuf_pages or DEFAULT_RINGBUF_PAGES)
+        print(f"// cflags: {' '.join(t.cflags())}")
+        print(open(t.source_path()).read())
+        return 0
+    opts = AttachOptions(
+        pids=args.pids, json_path=args.json, calls=args.calls, duration=args.duration,
+        interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
+        ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
+        count_launches=args.count_launches, job=args.job)
+    return AttachSession(opts).run()
+
+
+def cmd_check(args) -> int:
+    from rich.console import Console
+    from .check import exit_code, render, run_checks
+    rows = run_checks(pid=args.pid, try_load=not args.no_load)
+    Console().print(render(rows))
+    code = exit_code(rows)
+    print("tracing can work" if code == 0 else "tracing cannot work until the FAIL lines are fixed")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {"attach": cmd_attach, "check": cmd_check}[args.command](args)
+    except GreyhoundError as e:
+        print(f"greyhound-trace: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

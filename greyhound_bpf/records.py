@@ -1,0 +1,42 @@
+"""User-space mirror of probes/greyhound.h.
+
+tests/test_abi.py compiles the header and checks every size and offset here
+against it. Records are decoded in bulk with the NumPy dtype, not one ctypes
+object at a time.
+"""
+import ctypes as ct
+
+import numpy as np
+
+GH_MAX_ARGS = 8
+GH_F_DEREF_FAILED = 0x1
+
+
+class GhCall(ct.Structure):
+    _fields_ = [
+        ("start_ns", ct.c_uint64),
+        ("dur_ns", ct.c_uint64),
+        ("pid", ct.c_uint32),
+        ("tid", ct.c_uint32),
+        ("fn", ct.c_uint16),
+        ("flags", ct.c_uint16),
+        ("ret", ct.c_int32),
+        ("args", ct.c_uint64 * GH_MAX_ARGS),
+    ]
+
+
+class GhFnSpec(ct.Structure):
+    _fields_ = [
+        ("nargs", ct.c_uint8),
+        ("deref_mask", ct.c_uint8),
+        ("pad", ct.c_uint8 * 6),
+    ]
+
+
+# Same layout as GhCall, for np.frombuffer over a batch of ring-buffer records.
+CALL_DTYPE = np.dtype({
+    "names": [f[0] for f in GhCall._fields_],
+    "formats": ["<u8", "<u8", "<u4", "<u4", "<u2", "<u2", "<i4", ("<u8", GH_MAX_ARGS)],
+    "offsets": [getattr(GhCall, f[0]).offset for f in GhCall._fields_],
+    "itemsize": ct.sizeof(GhCall),
+})

@@ -1,0 +1,247 @@
+"""`greyhound-trace attach`: the live loop from PIDs to events.
+
+preflight (PIDs, privileges, libraries) -> load BPF -> attach to each target
+-> loop { drain ring buffer -> decode -> sinks; rescan the process tree;
+report lost records; print the interval summary } -> detach everything.
+Every exit path (targets gone, Ctrl-C, SIGTERM, --duration, an error) goes
+through the same teardown, so no uprobe is left behind; a SIGKILLed tracer
+leaves none either, because its probes are perf-event fds the kernel closes.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, TextIO
+
+import numpy as np
+
+from . import GreyhoundError
+from .catalog import Catalog, load_catalog
+from .discovery import Discovery, Target, read_stat
+from .events import JsonLinesWriter, make_event
+from .summary import CallStats, safe
+from .tracer import DEFAULT_RINGBUF_PAGES, Tracer
+
+# How often the process tree is rescanned for new or exited ranks. Ranks that
+# start later are probed within this delay plus the attach time.
+SCAN_INTERVAL_S = 0.5
+# How often the in-kernel loss counter is read (a per-CPU map lookup).
+LOST_CHECK_S = 0.25
+
+
+@dataclass
+class AttachOptions:
+    pids: list[int]
+    json_path: str | None = None
+    calls: bool = False
+    duration: float | None = None
+    interval: float | None = 1.0
+    count: int | None = None
+    wait: bool = False
+    ringbuf_pages: int = DEFAULT_RINGBUF_PAGES
+    count_launches: bool = False
+    job: str | None = None
+
+
+def has_bpf_privileges() -> bool:
+    if os.geteuid() == 0:
+        return True
+    # CAP_SYS_ADMIN (21), CAP_PERFMON (38) and CAP_BPF (39) together suffice.
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+                    return all(caps >> bit & 1 for bit in (21, 38, 39))
+    except OSError:
+        pass
+    return False
+
+
+class AttachSession:
+    def __init__(self, opts: AttachOptions, catalog: Catalog | None = None,
+                 text_out: TextIO | None = None, err: TextIO | None = None):
+        self.opts = opts
+        self.catalog = catalog or load_catalog()
+        self.err = err or sys.stderr
+        to_stdout = opts.json_path == "-"
+        self.text_out = text_out or (sys.stderr if to_stdout else sys.stdout)
+        self.writer = JsonLinesWriter(opts.json_path) if opts.json_path else None
+        self.sinks: list[Callable[[dict], None]] = []
+        self.discovery = Discovery(opts.pids, self.catalog)
+        self.tracer: Tracer | None = None
+        self.stats = CallStats(self.catalog)
+        self.known: dict[int, Target] = {}
+        self.job = opts.job or self._default_job()
+        self.stop_reason: str | None = None
+        self.lost_reported = 0
+        self.mono_to_wall = time.time_ns() - time.monotonic_ns()
+
+    def _default_job(self) -> str:
+        st = read_stat(self.opts.pids[0]) if self.opts.pids else None
+        return f"{st.comm if st else 'job'}-{self.opts.pids[0] if self.opts.pids else 0}"
+
+    # -- output --------------------------------------------------------------
+
+    def emit(self, kind: str, **fields) -> dict:
+        ev = make_event(kind, self.job, **fields)
+        if self.writer:
+            self.writer.write(ev)
+        for sink in self.sinks:
+            sink(ev)
+        return ev
+
+    def say(self, msg: str) -> None:
+        print(f"greyhound-trace: {msg}", file=self.err, flush=True)
+
+    # -- preflight -----------------------------------------------------------
+
+    def preflight(self) -> None:
+        for pid in self.opts.pids:
+            if read_stat(pid) is None:
+                raise GreyhoundError(f"no process with PID {pid}")
+        if not has_bpf_privileges():
+            raise GreyhoundError(
+                "attach needs root (it loads BPF programs and reads other processes' "
+                "memory maps): run it with sudo", exit_code=1)
+        self._initial_scan = self.discovery.scan()
+        if not self.discovery.libraries_seen and not self.opts.wait:
+            n = len(self.discovery.tree) - len(self.opts.pids)
+            names = ", ".join(p for f in self.catalog.families.values() for p in f.sonames)
+            pids = ", ".join(map(str, self.opts.pids))
+            raise GreyhoundError(
+                f"PID {pids} and its {n} descendant(s) map none of {names}; "
+                "not a training job yet? (--wait waits for one to be loaded)")
+
+    # -- main loop -----------------------------------------------------------
+
+    def run(self) -> int:
+        self.preflight()
+        self.tracer = Tracer(self.catalog, self.opts.ringbuf_pages, self.opts.count_launches)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        t0 = time.monotonic()
+        try:
+            self.tracer.load()
+            new, _, _ = self._initial_scan
+            self._attach_targets(new, first=True)
+            if not new:
+                self.say(f"waiting for ranks under PID {', '.join(map(str, self.opts.pids))} "
+                         "to load a probed library")
+            self._loop(t0)
+        except GreyhoundError as e:
+            self.stop_reason = "error"
+            self.emit("detach", reason="error", error=str(e))
+            raise
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            if self.stop_reason != "error":
+                self._finish(t0)
+            if self.tracer:
+                self.tracer.close()
+            if self.writer:
+                self.writer.close()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_reason = self.stop_reason or "signal"
+
+    def _loop(self, t0: float) -> None:
+        next_scan = t0 + SCAN_INTERVAL_S
+        next_lost = t0 + LOST_CHECK_S
+        next_summary = t0 + self.opts.interval if self.opts.interval else None
+        summaries = 0
+        deadline = t0 + self.opts.duration if self.opts.duration else None
+        while self.stop_reason is None:
+            self._process(self.tracer.poll(100))
+            now = time.monotonic()
+            if now >= next_lost:
+                self._report_lost()
+                next_lost = now + LOST_CHECK_S
+            if now >= next_scan:
+                self._rescan()
+                next_scan = now + SCAN_INTERVAL_S
+            if next_summary and now >= next_summary and not self.stop_reason:
+                print(self.stats.format_interval(), file=self.text_out, flush=True)
+                summaries += 1
+                next_summary += self.opts.interval
+                if self.opts.count and summaries >= self.opts.count:
+                    self.stop_reason = "duration"
+            if deadline and now >= deadline:
+                self.stop_reason = self.stop_reason or "duration"
+            if self.writer:
+                self.writer.flush()
+
+    def _attach_targets(self, targets: list[Target], first: bool = False) -> None:
+        attached = []
+        for t in targets:
+            probes = self.tracer.attach(t)
+            if not probes and not os.path.exists(f"/proc/{t.pid}"):
+                continue   # exited while we attached
+            self.known[t.pid] = t
+            self.stats.add_target(t.pid, t.rank, t.comm)
+            attached.append((t, probes))
+        if attached or first:
+            fns = sorted({p.fn.name for _, ps in attached for p in ps})
+            self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),
+                      ranks=[t.describe() for t, _ in attached],
+                      probes=sum(len(ps) for _, ps in attached), functions=fns)
+            for t, ps in attached:
+                who = f"rank {t.rank}" if t.rank is not None else "process"
+                self.say(f"attached {len(ps)} probes to {who} (pid {t.pid}, "
+                         f"{safe(t.comm, 16)}): {', '.join(sorted(t.libraries))}")
+
+    def _rescan(self) -> None:
+        new, exited, grown = self.discovery.scan()
+        for t in exited:
+            self.tracer.detach(t.pid)
+            self.emit("exit", pid=t.pid, rank=t.rank)
+            self.say(f"pid {t.pid} (rank {'-' if t.rank is None else t.rank}) exited")
+        for t in grown:
+            missing = [f for f in t.libraries if f not in
+                       {p.fn.family for p in self.tracer.probes.get(t.pid, [])}]
+            self.tracer.attach(t, families=missing)
+        if new:
+            self._attach_targets(new)
+        if not self.discovery.targets and not self.discovery.roots_alive():
+            self.stop_reason = self.stop_reason or "target_exited"
+
+    def _report_lost(self) -> None:
+        total = self.tracer.lost_total()
+        if total > self.lost_reported:
+            delta = total - self.lost_reported
+            self.lost_reported = total
+            self.emit("lost", count=delta, total=total)
+            self.say(f"ring buffer full: {delta} records lost ({total} in all); "
+                     "a larger --ringbuf-pages keeps more")
+
+    def _process(self, recs: np.ndarray) -> None:
+        if len(recs) == 0:
+            return
+        self.stats.add(recs)
+        if not (self.opts.calls and (self.writer or self.sinks)):
+            return
+        fns = self.catalog.functions
+        offset = self.mono_to_wall
+        for r in recs:
+            fn = fns[r["fn"]]
+            pid = int(r["pid"])
+            t = self.known.get(pid)
+            self.emit("call", rank=t.rank if t else None, pid=pid, tid=int(r["tid"]),
+                      fn=fn.name, start_ns=int(r["start_ns"]) + offset, dur_ns=int(r["dur_ns"]),
+                      **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
+
+    def _finish(self, t0: float) -> None:
+        if self.tracer and self.tracer.bpf is not None:
+            self._process(self.tracer.drain())
+            self._report_lost()
+        reason = self.stop_reason or "signal"
+        delivered = self.tracer.delivered if self.tracer else 0
+        self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported)
+        if self.writer:
+            self.writer.flush()
+        print(self.stats.format_final(self.lost_reported, delivered, time.monotonic() - t0),
+              file=self.text_out, flush=True)

@@ -1,0 +1,202 @@
+"""The BPF side of the tracer: load probes/calls.bpf.c, attach uprobes to the
+libraries each target maps, and drain the ring buffer into NumPy records.
+
+One uprobe and one uretprobe per (process, function address). Symbols are
+resolved once per library file (libtorch_cpu's symbol table takes ~0.5 s to
+scan) and aliases at one address (ncclX / pncclX) are attached once.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import GreyhoundError
+from .catalog import Catalog, FunctionSpec, probes_dir
+from .discovery import MappedLib, Target
+from .records import CALL_DTYPE, GhFnSpec
+
+DEFAULT_RINGBUF_PAGES = 256   # 1 MiB: ~10k records, ~0.2 s of a busy 8-GPU node at VM probe cost
+
+
+def import_bcc():
+    try:
+        import bcc  # Debian's python3-bpfcc; not on PyPI
+    except ImportError as e:
+        raise GreyhoundError(
+            f"cannot import bcc ({e}); install python3-bpfcc and use a venv made with "
+            "--system-site-packages (scripts/setup does both); see `greyhound-trace check`",
+            exit_code=1) from None
+    return bcc
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One attached function in one process."""
+    pid: int
+    fn: FunctionSpec
+    path: str       # host path of the library
+    addr: int       # symbol address as bcc takes it
+    symbol: str
+
+
+class Tracer:
+    def __init__(self, catalog: Catalog, ringbuf_pages: int = DEFAULT_RINGBUF_PAGES,
+                 count_launches: bool = False):
+        if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
+            raise GreyhoundError(f"--ringbuf-pages must be a power of two, not {ringbuf_pages}")
+        self.catalog = catalog
+        self.ringbuf_pages = ringbuf_pages
+        self.count_launches = count_launches
+        self.bpf = None
+        self.probes: dict[int, list[Probe]] = {}
+        self._launch_probes: dict[int, tuple[str, int]] = {}
+        self._symcache: dict[tuple, dict[str, int]] = {}
+        self._chunks: list[bytes] = []
+        self.delivered = 0
+
+    # -- loading -----------------------------------------------------------
+
+    def cflags(self) -> list[str]:
+        return [f"-I{probes_dir()}", f"-DGH_RINGBUF_PAGES={self.ringbuf_pages}"]
+
+    def source_path(self) -> str:
+        return str(probes_dir() / "calls.bpf.c")
+
+    def load(self) -> None:
+        bcc = import_bcc()
+        try:
+            self.bpf = bcc.BPF(src_file=self.source_path().encode(), cflags=self.cflags())
+        except Exception as e:
+            raise GreyhoundError(f"BPF program failed to load ({e}); run `greyhound-trace check`",
+                                 exit_code=1) from None
+        spec_table = self.bpf["fn_spec"]
+        for fn in self.catalog.functions:
+            spec_table[ct.c_int(fn.fid)] = GhFnSpec(nargs=fn.nargs, deref_mask=fn.deref_mask)
+        self.bpf["events"].open_ring_buffer(self._on_record)
+
+    def _on_record(self, ctx, data, size):
+        self._chunks.append(ct.string_at(data, size))
+        return 0
+
+    # -- attaching ---------------------------------------------------------
+
+    def resolve(self, lib: MappedLib) -> dict[str, int]:
+        """Symbol name -> address for every catalog symbol the library exports."""
+        try:
+            st = os.stat(lib.host_path)
+        except OSError as e:
+            raise GreyhoundError(f"cannot open {lib.host_path}: {e.strerror}") from None
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        if key not in self._symcache:
+            from bcc import BPF
+            fam = self.catalog.families[lib.family]
+            wanted = {s for fn in fam.functions for s in fn.symbols} | set(fam.counters)
+            pattern = "^(" + "|".join(re.escape(s) for s in sorted(wanted)) + ")$"
+            found = BPF.get_user_functions_and_addresses(lib.host_path.encode(), pattern.encode())
+            self._symcache[key] = {name.decode(): addr for name, addr in found}
+        return self._symcache[key]
+
+    def attach(self, target: Target, families: list[str] | None = None) -> list[Probe]:
+        """Attach every catalog function of the target's libraries; returns the
+        probes placed. Aliases at one address are attached once."""
+        placed: list[Probe] = []
+        for fam_name, lib in sorted(target.libraries.items()):
+            if families is not None and fam_name not in families:
+                continue
+            symbols = self.resolve(lib)
+            fam = self.catalog.families[fam_name]
+            seen_addrs: set[int] = set()
+            for fn in fam.functions:
+                sym = next((s for s in fn.symbols if s in symbols), None)
+                if sym is None or symbols[sym] in seen_addrs:
+                    continue
+                addr = symbols[sym]
+                seen_addrs.add(addr)
+                probe = Probe(target.pid, fn, lib.host_path, addr, sym)
+                try:
+                    self._attach_one(probe)
+                except Exception as e:
+                    for p in placed:
+                        self._detach_one(p)
+                    if not os.path.exists(f"/proc/{target.pid}"):
+                        return []
+                    raise GreyhoundError(f"attaching {fn.name} in pid {target.pid} failed: {e}",
+                                         exit_code=1) from None
+                placed.append(probe)
+            if self.count_launches:
+                for c in fam.counters:
+                    if c in symbols:
+                        self.bpf.attach_uprobe(name=lib.host_path.encode(), addr=symbols[c],
+                                               fn_name=b"gh_count_launch", pid=target.pid)
+                        self._launch_probes[target.pid] = (lib.host_path, symbols[c])
+        self.probes.setdefault(target.pid, []).extend(placed)
+        return placed
+
+    def _attach_one(self, p: Probe) -> None:
+        name = p.path.encode()
+        self.bpf.attach_uprobe(name=name, addr=p.addr, fn_name=f"gh_enter_{p.fn.fid}".encode(),
+                               pid=p.pid)
+        try:
+            self.bpf.attach_uretprobe(name=name, addr=p.addr,
+                                      fn_name=f"gh_return_{p.fn.fid}".encode(), pid=p.pid)
+        except Exception:
+            self.bpf.detach_uprobe(name=name, addr=p.addr, pid=p.pid)
+            raise
+
+    def _detach_one(self, p: Probe) -> None:
+        name = p.path.encode()
+        for detach in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
+            try:
+                detach(name=name, addr=p.addr, pid=p.pid)
+            except Exception:
+                pass   # already gone with its process
+
+    def detach(self, pid: int) -> None:
+        for p in self.probes.pop(pid, []):
+            self._detach_one(p)
+        lp = self._launch_probes.pop(pid, None)
+        if lp:
+            try:
+                self.bpf.detach_uprobe(name=lp[0].encode(), addr=lp[1], pid=pid)
+            except Exception:
+                pass
+
+    # -- draining ----------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 100) -> np.ndarray:
+        """Wait up to timeout_ms for records; returns them as a CALL_DTYPE array."""
+        self.bpf.ring_buffer_poll(timeout_ms)
+        return self._take()
+
+    def drain(self) -> np.ndarray:
+        self.bpf.ring_buffer_consume()
+        return self._take()
+
+    def _take(self) -> np.ndarray:
+        if not self._chunks:
+            return np.empty(0, dtype=CALL_DTYPE)
+        buf = b"".join(self._chunks)
+        self._chunks.clear()
+        recs = np.frombuffer(buf, dtype=CALL_DTYPE)
+        self.delivered += len(recs)
+        return recs
+
+    def lost_total(self) -> int:
+        return int(sum(self.bpf["lost"][ct.c_int(0)]))
+
+    def launch_counts(self) -> dict[int, int]:
+        return {k.value: v.value for k, v in self.bpf["launches"].items()}
+
+    def probe_count(self) -> int:
+        return sum(len(v) for v in self.probes.values())
+
+    def close(self) -> None:
+        if self.bpf is not None:
+            for pid in list(self.probes):
+                self.detach(pid)
+            self.bpf.cleanup()
+            self.bpf = None

@@ -1,0 +1,123 @@
+/* Uprobe/uretprobe programs that time every probed library call.
+ *
+ * Entry saves the start time and the argument slots per (thread, function);
+ * return computes the duration, reads out-parameters (for example the
+ * ncclComm_t that ncclCommInitRank writes) and reserves one ring-buffer
+ * record. A record the ring buffer cannot take is counted in `lost`, never
+ * dropped silently. Load-time settings come in as -D flags:
+ *   GH_RINGBUF_PAGES  ring buffer size in pages (power of two)
+ *   GH_INFLIGHT_MAX   concurrent in-flight calls tracked
+ */
+#include <uapi/linux/ptrace.h>
+#include "greyhound.h"
+
+#ifndef GH_RINGBUF_PAGES
+#define GH_RINGBUF_PAGES 256
+#endif
+#ifndef GH_INFLIGHT_MAX
+#define GH_INFLIGHT_MAX 16384
+#endif
+
+BPF_RINGBUF_OUTPUT(events, GH_RINGBUF_PAGES);
+BPF_ARRAY(fn_spec, struct gh_fn_spec, GH_MAX_FUNCS);
+/* LRU: a thread killed inside a call must not leak its slot forever. */
+BPF_TABLE("lru_hash", struct gh_inflight_key, struct gh_inflight, inflight,
+	  GH_INFLIGHT_MAX);
+BPF_PERCPU_ARRAY(lost, u64, 1);
+/* cudaLaunchKernel is too frequent to stream: count it per process here. */
+BPF_HASH(launches, u32, u64, 4096);
+
+static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
+{
+	struct gh_fn_spec *spec = fn_spec.lookup(&fn);
+	if (!spec)
+		return 0;
+
+	struct gh_inflight st = {};
+	st.start_ns = bpf_ktime_get_ns();
+	st.args[0] = PT_REGS_PARM1(ctx);
+	st.args[1] = PT_REGS_PARM2(ctx);
+	st.args[2] = PT_REGS_PARM3(ctx);
+	st.args[3] = PT_REGS_PARM4(ctx);
+	st.args[4] = PT_REGS_PARM5(ctx);
+	st.args[5] = PT_REGS_PARM6(ctx);
+	/* At entry the return address is at sp; stack arguments follow it. */
+	if (spec->nargs > GH_REG_ARGS)
+		bpf_probe_read_user(&st.args[GH_REG_ARGS],
+				    (GH_MAX_ARGS - GH_REG_ARGS) * sizeof(u64),
+				    (void *)(PT_REGS_SP(ctx) + sizeof(u64)));
+
+	struct gh_inflight_key key = {
+		.tid = (u32)bpf_get_current_pid_tgid(),
+		.fn = fn,
+	};
+	inflight.update(&key, &st);
+	return 0;
+}
+
+static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	struct gh_inflight_key key = { .tid = (u32)id, .fn = fn };
+	struct gh_inflight *st = inflight.lookup(&key);
+	if (!st)
+		return 0; /* entry happened before we attached */
+
+	struct gh_fn_spec *spec = fn_spec.lookup(&fn);
+	struct gh_call *rec = events.ringbuf_reserve(sizeof(struct gh_call));
+	if (!rec) {
+		u32 zero = 0;
+		u64 *n = lost.lookup(&zero);
+		if (n)
+			(*n)++;
+		inflight.delete(&key);
+		return 0;
+	}
+	rec->start_ns = st->start_ns;
+	rec->dur_ns = bpf_ktime_get_ns() - st->start_ns;
+	rec->pid = id >> 32;
+	rec->tid = (u32)id;
+	rec->fn = fn;
+	rec->flags = 0;
+	rec->ret = (s32)PT_REGS_RC(ctx);
+	u8 deref = spec ? spec->deref_mask : 0;
+#pragma unroll
+	for (int i = 0; i < GH_MAX_ARGS; i++) {
+		rec->args[i] = st->args[i];
+		if (deref & (1 << i)) {
+			u64 v = 0;
+			if (bpf_probe_read_user(&v, sizeof(v), (void *)st->args[i]) == 0)
+				rec->args[i] = v;
+			else
+				rec->flags |= GH_F_DEREF_FAILED;
+		}
+	}
+	events.ringbuf_submit(rec, 0);
+	inflight.delete(&key);
+	return 0;
+}
+
+int gh_count_launch(struct pt_regs *ctx)
+{
+	u32 pid = bpf_get_current_pid_tgid() >> 32;
+	u64 one = 1;
+	u64 *n = launches.lookup(&pid);
+	if (n)
+		__sync_fetch_and_add(n, 1);
+	else
+		launches.update(&pid, &one);
+	return 0;
+}
+
+#define GH_SLOT(n)                                                        \
+	int gh_enter_##n(struct pt_regs *ctx) { return gh_enter(ctx, n); } \
+	int gh_return_##n(struct pt_regs *ctx) { return gh_return(ctx, n); }
+
+GH_SLOT(0)  GH_SLOT(1)  GH_SLOT(2)  GH_SLOT(3)  GH_SLOT(4)  GH_SLOT(5)
+GH_SLOT(6)  GH_SLOT(7)  GH_SLOT(8)  GH_SLOT(9)  GH_SLOT(10) GH_SLOT(11)
+GH_SLOT(12) GH_SLOT(13) GH_SLOT(14) GH_SLOT(15) GH_SLOT(16) GH_SLOT(17)
+GH_SLOT(18) GH_SLOT(19) GH_SLOT(20) GH_SLOT(21) GH_SLOT(22) GH_SLOT(23)
+GH_SLOT(24) GH_SLOT(25) GH_SLOT(26) GH_SLOT(27) GH_SLOT(28) GH_SLOT(29)
+GH_SLOT(30) GH_SLOT(31) GH_SLOT(32) GH_SLOT(33) GH_SLOT(34) GH_SLOT(35)
+GH_SLOT(36) GH_SLOT(37) GH_SLOT(38) GH_SLOT(39) GH_SLOT(40) GH_SLOT(41)
+GH_SLOT(42) GH_SLOT(43) GH_SLOT(44) GH_SLOT(45) GH_SLOT(46) GH_SLOT(47)

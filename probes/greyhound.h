@@ -1,0 +1,51 @@
+/* Greyhound probe ABI, shared by calls.bpf.c and the ctypes mirror in
+ * greyhound_bpf/records.py (tests/test_abi.py checks that they agree).
+ * One gh_call record crosses to user space per probed call; everything else
+ * (start times, per-function settings, loss and launch counters) stays in
+ * kernel maps. */
+#ifndef GREYHOUND_H
+#define GREYHOUND_H
+
+/* Argument slots per call: the six x86_64 integer registers, then stack
+ * slots. ncclReduce has eight integer-class arguments, the most we probe. */
+#define GH_MAX_ARGS 8
+#define GH_REG_ARGS 6
+
+/* Probe slots: one entry and one return program per probed function, with
+ * the function id compiled in, so a probe hit needs no address lookup. */
+#define GH_MAX_FUNCS 48
+
+/* gh_call.flags */
+#define GH_F_DEREF_FAILED 0x1 /* an out-parameter could not be read at return */
+
+struct gh_call {
+	__u64 start_ns; /* bpf_ktime_get_ns() at entry (CLOCK_MONOTONIC) */
+	__u64 dur_ns;   /* return minus entry */
+	__u32 pid;      /* thread-group id (the process) */
+	__u32 tid;      /* thread id */
+	__u16 fn;       /* function id, assigned by user space from the catalogs */
+	__u16 flags;    /* GH_F_* */
+	__s32 ret;      /* low 32 bits of the return register */
+	__u64 args[GH_MAX_ARGS]; /* raw argument slots, meaning given by the catalog */
+};
+
+/* Per-function capture settings, written by user space into fn_spec[fn]. */
+struct gh_fn_spec {
+	__u8 nargs;      /* slots to capture; > GH_REG_ARGS reads the stack */
+	__u8 deref_mask; /* bit i: slot i is a pointer to an out-value, read at return */
+	__u8 pad[6];
+};
+
+/* Key of the in-flight table: nested calls of different functions on one
+ * thread (ncclGroupStart ... ncclSend ... ncclGroupEnd) each get a slot. */
+struct gh_inflight_key {
+	__u32 tid;
+	__u32 fn;
+};
+
+struct gh_inflight {
+	__u64 start_ns;
+	__u64 args[GH_MAX_ARGS];
+};
+
+#endif /* GREYHOUND_H */

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Demo training job: real PyTorch DDP on the CPU over gloo.
+
+An MLP on synthetic regression data, with gradient accumulation over
+micro-batches. It is the job that `scripts/demo`, the tests and the
+benchmarks attach to, and it logs its own ground truth, one JSON line per
+iteration per rank: index, start_ns, dur_ns, the number of all-reduces this
+rank issued so far (counted by a DDP communication hook, one per bucket) and
+the loss. Run it under torchrun:
+
+    torchrun --nproc-per-node 4 scripts/demo_train.py --steps 200 --truth /tmp/gt.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=0, help="iterations to run (0: until killed)")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank per step")
+    p.add_argument("--mb-size", type=int, default=32, help="samples per micro-batch")
+    p.add_argument("--hidden", type=int, default=256, help="MLP width")
+    p.add_argument("--layers", type=int, default=4, help="MLP depth")
+    p.add_argument("--truth", help="append per-iteration ground truth here (JSON lines)")
+    p.add_argument("--go-file", help="wait for this file to exist before the first step")
+    p.add_argument("--bucket-mb", type=float, default=0.25,
+                   help="DDP bucket size: sets how many all-reduces a step issues")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build_model(hidden: int, layers: int) -> nn.Module:
+    mods: list[nn.Module] = [nn.Linear(64, hidden), nn.ReLU()]
+    for _ in range(layers - 2):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    mods.append(nn.Linear(hidden, 1))
+    return nn.Sequential(*mods)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = DDP(build_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb)
+
+    state = {"allreduces": 0}
+
+    def counting_allreduce(st, bucket):
+        # The default hook's behaviour (sum, then divide by world size), plus a
+        # count of the all-reduces this rank issues: the test's ground truth.
+        st["allreduces"] += 1
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(world))
+
+    model.register_comm_hook(state, counting_allreduce)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    true_w = torch.randn(64, 1, generator=torch.Generator().manual_seed(args.seed))
+    log = open(args.truth, "a", buffering=1) if args.truth else None
+
+    if args.go_file:
+        while not os.path.exists(args.go_file):
+            time.sleep(0.02)
+
+    step = 0
+    try:
+        while args.steps == 0 or step < args.steps:
+            t0 = time.time_ns()
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for mb in range(args.microbatches):
+                x = torch.randn(args.mb_size, 64, generator=gen)
+                y = x @ true_w
+                last = mb == args.microbatches - 1
+                ctx = model.no_sync() if not last else _null()
+                with ctx:
+                    loss = nn.functional.mse_loss(model(x), y) / args.microbatches
+                    loss.backward()
+                total += loss.item()
+            opt.step()
+            t1 = time.time_ns()
+            if log:
+                log.write(json.dumps({"rank": rank, "index": step, "start_ns": t0,
+                                      "dur_ns": t1 - t0, "allreduces": state["allreduces"],
+                                      "microbatches": args.microbatches, "loss": total}) + "\n")
+            step += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if log:
+            log.close()
+    print(json.dumps({"rank": rank, "steps": step, "allreduces": state["allreduces"]}),
+          flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

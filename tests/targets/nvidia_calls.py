@@ -1,0 +1,63 @@
+"""Test target: calls the real libnccl.so.2 and libcudart.so.12 through ctypes.
+
+Without a GPU every call fails, but the real entry point runs, which is what
+the uprobes see. The script waits for a line on stdin (so the tracer can
+attach first), makes the calls, prints one JSON line per call with the
+arguments passed and the code returned, and waits for another line to exit.
+"""
+import ctypes as ct
+import json
+import sys
+
+from nvidia import cuda_runtime, nccl
+
+NCCL = ct.CDLL(f"{nccl.__path__[0]}/lib/libnccl.so.2")
+CUDART = ct.CDLL(f"{cuda_runtime.__path__[0]}/lib/libcudart.so.12")
+V = ct.c_void_p
+
+
+class NcclUniqueId(ct.Structure):
+    # Passed by value, in memory: 128 bytes take no argument register.
+    _fields_ = [("internal", ct.c_char * 128)]
+
+
+def call(lib, fn, argtypes, *args, **expect):
+    f = getattr(lib, fn)
+    f.argtypes, f.restype = argtypes, ct.c_int
+    ret = f(*args)
+    print(json.dumps({"fn": fn, "ret": ret, **expect}), flush=True)
+
+
+def calls(rounds: int) -> None:
+    comm_out = ct.c_void_p(0)
+    unique_id = NcclUniqueId()
+    for i in range(rounds):
+        # NULL comm: NCCL validates and returns ncclInvalidArgument (4). A
+        # made-up comm pointer would be dereferenced and crash the process.
+        call(NCCL, "ncclAllReduce", [V, V, ct.c_size_t, ct.c_int, ct.c_int, V, V],
+             None, None, 1000 + i, 7, 0, None, V(0x5000 + i),
+             count=1000 + i, dtype="float32", op="sum", comm=0, stream=0x5000 + i)
+        call(NCCL, "ncclSend", [V, ct.c_size_t, ct.c_int, ct.c_int, V, V],
+             None, 4096 + i, 9, 3, None, V(0x6000),
+             count=4096 + i, dtype="bfloat16", peer=3, comm=0, stream=0x6000)
+        call(NCCL, "ncclBroadcast", [V, V, ct.c_size_t, ct.c_int, ct.c_int, V, V],
+             None, None, 77, 2, 1, None, V(0x7000),
+             count=77, dtype="int32", root=1, comm=0, stream=0x7000)
+        call(NCCL, "ncclReduce", [V, V, ct.c_size_t, ct.c_int, ct.c_int, ct.c_int, V, V],
+             None, None, 55, 8, 2, 3, None, V(0x8000),
+             count=55, dtype="float64", op="max", root=3, comm=0, stream=0x8000)
+        call(CUDART, "cudaStreamSynchronize", [V], V(0x9000 + i), stream=0x9000 + i)
+        call(CUDART, "cudaMemcpy", [V, V, ct.c_size_t, ct.c_int],
+             None, None, 2048, 2, count=2048, memcpy_kind="DeviceToHost")
+    # nranks=4, rank=2; comm stays NULL because init fails without a GPU.
+    call(NCCL, "ncclCommInitRank", [ct.POINTER(V), ct.c_int, NcclUniqueId, ct.c_int],
+         ct.byref(comm_out), 4, unique_id, 2, nranks=4, rank=2, comm=0)
+
+
+if __name__ == "__main__":
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    calls(rounds)
+    print(json.dumps({"done": True}), flush=True)
+    sys.stdin.readline()
