@@ -15,7 +15,7 @@ from pathlib import Path
 # Argument slot names that become event fields. Anything else in a catalog is
 # a mistake (a typo would silently drop a field), so loading rejects it.
 FIELD_NAMES = frozenset({
-    "count", "dtype", "op", "peer", "root", "comm", "stream", "nranks", "rank",
+    "count", "dtype", "op", "peer", "root", "comm", "stream", "nranks", "comm_rank",
     "parent", "color", "key", "event", "memcpy_kind",
 })
 IGNORED = "_"
@@ -36,7 +36,7 @@ ENUMS: dict[str, dict[int, str]] = {
 NCCL_DTYPE_SIZE = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2,
                    10: 1, 11: 1}
 # Slots that hold C ints: the register's upper half is garbage.
-INT_FIELDS = frozenset({"dtype", "op", "peer", "root", "nranks", "rank",
+INT_FIELDS = frozenset({"dtype", "op", "peer", "root", "nranks", "comm_rank",
                         "color", "key", "memcpy_kind"})
 
 

@@ -13,6 +13,7 @@ the loss. Run it under torchrun:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -99,10 +100,18 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        summary = {"rank": rank, "final": True, "steps": step,
+                   "allreduces": state["allreduces"]}
         if log:
+            log.write(json.dumps(summary) + "\n")   # one append: atomic across ranks
             log.close()
-    print(json.dumps({"rank": rank, "steps": step, "allreduces": state["allreduces"]}),
-          flush=True)
+    print(json.dumps(summary), flush=True)
+    # Drop every reference to the process group before the interpreter shuts
+    # down, so ~ProcessGroupGloo joins its worker threads now: a worker still
+    # releasing the comm hook's Python callback during finalization aborts
+    # the process ("terminate called without an active exception").
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

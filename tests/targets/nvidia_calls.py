@@ -51,7 +51,7 @@ def calls(rounds: int) -> None:
              None, None, 2048, 2, count=2048, memcpy_kind="DeviceToHost")
     # nranks=4, rank=2; comm stays NULL because init fails without a GPU.
     call(NCCL, "ncclCommInitRank", [ct.POINTER(V), ct.c_int, NcclUniqueId, ct.c_int],
-         ct.byref(comm_out), 4, unique_id, 2, nranks=4, rank=2, comm=0)
+         ct.byref(comm_out), 4, unique_id, 2, nranks=4, comm_rank=2, comm=0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Target discovery over real processes: the tree under a launcher, rank
+identity from the environment, launchers told apart from ranks, and the
+libraries each process really mapped."""
+import ctypes  # noqa: F401
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import nccl_lib, wait_for
+from greyhound_bpf.catalog import load_catalog
+from greyhound_bpf.discovery import (Discovery, all_stats, descendants, mapped_libraries,
+                                     rank_identity, read_stat)
+
+CAT = load_catalog()
+
+CHILD = textwrap.dedent("""
+    import ctypes, sys, time
+    if len(sys.argv) > 1:
+        ctypes.CDLL(sys.argv[1])
+    print("up", flush=True)
+    time.sleep(60)
+""")
+
+
+def spawn(env=None, lib=None, argv0=None):
+    cmd = [sys.executable, "-c", CHILD] + ([lib] if lib else [])
+    p = subprocess.Popen(cmd, env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+@pytest.fixture
+def procs():
+    made = []
+    yield made
+    for p in made:
+        p.kill()
+        p.wait()
+
+
+def test_read_stat_handles_odd_process_names(tmp_path):
+    exe = tmp_path / "we ird) (name"
+    os.symlink("/bin/sleep", exe)
+    p = subprocess.Popen([str(exe), "30"])
+    try:
+        st = wait_for(lambda: read_stat(p.pid), 5, "stat")
+        assert st.ppid == os.getpid()
+        assert st.comm == "we ird) (name"[:15]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_descendants_of_a_launcher_script():
+    p = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        def kids():
+            tree = descendants([p.pid], all_stats())
+            return tree if len(tree) == 3 else None
+        tree = wait_for(kids, 5, "two children")
+        assert tree[0] == p.pid or p.pid in tree
+        assert all(read_stat(c).comm == "sleep" for c in tree if c != p.pid)
+    finally:
+        subprocess.run(["pkill", "-P", str(p.pid)])
+        p.wait()
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}, (3, 1, 8)),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+      "OMPI_COMM_WORLD_SIZE": "16"}, (5, 2, 16)),
+    ({"SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NTASKS": "32"}, (7, 3, 32)),
+    ({"RANK": "not-a-number"}, (None, None, None)),
+])
+def test_rank_identity_from_environment(procs, env, want):
+    clean = {k: "" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    p = spawn(env={**clean, **env})
+    procs.append(p)
+    assert rank_identity(p.pid) == want
+
+
+def test_mapped_libraries_sees_the_real_libnccl(procs):
+    p = spawn(lib=nccl_lib())
+    procs.append(p)
+    libs = mapped_libraries(p.pid, CAT)
+    assert set(libs) == {"nccl"}
+    m = libs["nccl"]
+    assert os.path.samefile(m.path, nccl_lib())
+    assert m.host_path == f"/proc/{p.pid}/root{m.path}"
+    assert os.stat(m.host_path).st_ino == m.inode
+
+
+def test_discovery_finds_new_and_exited_targets(procs):
+    bash = subprocess.Popen(["bash", "-c", "sleep 60"])
+    procs.append(bash)
+    d = Discovery([bash.pid, os.getpid() + 10**7], CAT)
+    assert d.scan() == ([], [], [])
+    assert not d.libraries_seen
+    p = spawn(env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, lib=nccl_lib())
+    procs.append(p)
+    d.roots.append(p.pid)
+    new, exited, _ = d.scan()
+    assert [(t.pid, t.rank, t.world_size) for t in new] == [(p.pid, 1, 2)]
+    assert d.libraries_seen
+    p.kill()
+    p.wait()
+    new, exited, _ = d.scan()
+    assert new == [] and [t.pid for t in exited] == [p.pid]

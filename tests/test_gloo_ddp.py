@@ -1,0 +1,92 @@
+"""Real PyTorch DDP over gloo on the CPU, under torchrun, traced through the
+torchrun PID: every rank is found with its rank id, and the per-rank
+gloo::allreduce counts equal the job's own counts exactly."""
+import bisect
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import wait_for
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_ranks_and_allreduce_counts(ddp_job, tracer, nproc):
+    job = ddp_job(nproc, 30)
+    # torchrun imports torch (it maps libtorch_cpu) but is a launcher: the
+    # tracer starts at once and waits for its ranks.
+    wait_for(lambda: job.proc.poll() is None and len(_children(job.proc.pid)) >= nproc, 60,
+             "torchrun workers")
+    t = tracer([job.proc.pid], "--calls", "-q")
+    ranks = t.wait_attached(nproc, timeout=90)
+    assert sorted(r["rank"] for r in ranks) == list(range(nproc))
+    assert all(r["world_size"] == nproc and r["local_rank"] == r["rank"] for r in ranks)
+    assert job.proc.pid not in {r["pid"] for r in ranks}, "torchrun is a launcher, not a rank"
+    assert all("gloo" in r["libraries"] for r in ranks)
+    job.go()
+    assert job.wait(180) == 0
+    assert t.wait(60) == 0, t.output()
+
+    final = job.final_counts()
+    assert sorted(final) == list(range(nproc))
+    calls = t.events("call")
+    seen = Counter(c["rank"] for c in calls if c["fn"] == "gloo::allreduce")
+    assert {r: seen[r] for r in range(nproc)} == {r: final[r]["allreduces"] for r in range(nproc)}
+    assert all(final[r]["allreduces"] > 0 for r in range(nproc))
+
+    # Durations are positive and shorter than the job's own step that holds them.
+    truth = job.truth_records()
+    for r in range(nproc):
+        steps = sorted((s["start_ns"], s["start_ns"] + s["dur_ns"]) for s in truth if s["rank"] == r)
+        starts = [s for s, _ in steps]
+        checked = 0
+        for c in calls:
+            if c["rank"] != r or c["fn"] != "gloo::allreduce":
+                continue
+            assert c["dur_ns"] > 0
+            i = bisect.bisect_right(starts, c["start_ns"]) - 1
+            if i >= 0 and c["start_ns"] + c["dur_ns"] <= steps[i][1] + 5_000_000:
+                assert c["dur_ns"] < steps[i][1] - steps[i][0]
+                checked += 1
+        assert checked >= final[r]["allreduces"] * 0.9, "calls do not fall inside the job's steps"
+    detach = t.events("detach")[-1]
+    assert detach["reason"] == "target_exited" and detach["lost"] == 0
+    assert {e["pid"] for e in t.events("exit")} == {r["pid"] for r in ranks}
+
+
+def test_attach_mid_run_sees_calls_within_2s(ddp_job, tracer):
+    job = ddp_job(2, 0, go=False)      # trains until killed
+    wait_for(lambda: len(job.truth_records()) >= 5, 90, "the job to be training")
+    t = tracer([job.proc.pid], "--calls", "-q")
+    t.wait_attached(2, timeout=60)
+    attach_ns = t.events("attach")[0]["time_ns"]
+    first = wait_for(lambda: t.events("call"), 10, "the first call event")[0]
+    assert first["start_ns"] - attach_ns < 2e9
+    assert t.stop() == 0
+    assert t.events("detach")[-1]["reason"] == "signal"
+    assert job.proc.poll() is None, "the job must keep running after the tracer leaves"
+    n = len(job.truth_records())
+    wait_for(lambda: len(job.truth_records()) > n + 3, 30, "the job to keep training")
+
+
+def test_ranks_that_start_after_the_attach(ddp_job, tracer):
+    # A shell launcher that maps nothing at first: --wait waits for ranks.
+    job = ddp_job(2, 20, prefix=["bash", "-c", 'sleep 3; exec "$@"', "launcher"])
+    t = tracer([job.proc.pid], "--wait", "--calls", "-q")
+    t0 = time.time_ns()
+    ranks = t.wait_attached(2, timeout=90)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert min(e["time_ns"] for e in t.events("attach") if e["ranks"]) - t0 > 2.5e9
+    job.go()
+    assert job.wait(120) == 0
+    assert t.wait(60) == 0
+    final = job.final_counts()
+    seen = Counter(c["rank"] for c in t.events("call") if c["fn"] == "gloo::allreduce")
+    assert dict(seen) == {r: final[r]["allreduces"] for r in (0, 1)}
+
+
+def _children(pid: int) -> list[int]:
+    from greyhound_bpf.discovery import all_stats, descendants
+    return [p for p in descendants([pid], all_stats()) if p != pid]

@@ -1,0 +1,94 @@
+"""Uprobes on the real libnccl.so.2 and libcudart.so.12 from PyPI's NVIDIA
+wheels. There is no GPU: every call fails, but its real entry point runs,
+which is all a uprobe needs. Each call must be seen exactly once (never twice
+through the pncclX alias), with the arguments and return code the target
+passed and got."""
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import TARGETS, wait_for
+
+pytestmark = pytest.mark.bpf
+
+CALL_FIELDS = ("count", "dtype", "op", "peer", "root", "comm", "stream", "nranks", "comm_rank",
+               "memcpy_kind", "ret")
+
+
+@pytest.fixture
+def nvidia_target():
+    p = subprocess.Popen([sys.executable, str(TARGETS / "nvidia_calls.py"), "5"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert json.loads(p.stdout.readline()) == {"ready": True}
+    yield p
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+def run_calls(p) -> list[dict]:
+    p.stdin.write("\n")
+    p.stdin.flush()
+    made = []
+    for line in p.stdout:
+        d = json.loads(line)
+        if d.get("done"):
+            break
+        made.append(d)
+    return made
+
+
+def test_every_call_seen_once_with_exact_arguments(nvidia_target, tracer):
+    t = tracer([nvidia_target.pid], "--calls", "-q")
+    ranks = t.wait_attached(1)
+    assert ranks[0]["pid"] == nvidia_target.pid
+    assert set(ranks[0]["libraries"]) == {"nccl", "cudart"}
+    attach = t.events("attach")[0]
+    # 16 NCCL functions + 6 CUDA runtime functions, each once per address.
+    assert attach["probes"] == 22
+    made = run_calls(nvidia_target)
+    nvidia_target.stdin.write("\n")
+    nvidia_target.stdin.flush()
+    assert t.wait(60) == 0, t.output()
+
+    calls = t.events("call")
+    assert [c["fn"] for c in calls] == [m["fn"] for m in made], "order or count differs"
+    for seen, want in zip(calls, made):
+        for f in CALL_FIELDS:
+            if f in want:
+                assert seen[f] == want[f], (want["fn"], f, seen)
+        assert seen["pid"] == nvidia_target.pid and seen["tid"] > 0
+        assert seen["dur_ns"] > 0
+        assert seen["v"] == 1 and seen["job"]
+    # The pncclX alias shares the address: a double attach would show 2x.
+    counts = Counter(c["fn"] for c in calls)
+    assert counts["ncclAllReduce"] == 5 and counts["cudaMemcpy"] == 5
+    # The comm out-parameter is read at return: NULL after a failed init,
+    # not the pointer value that was passed in.
+    init = [c for c in calls if c["fn"] == "ncclCommInitRank"]
+    assert len(init) == 1 and init[0]["comm"] == 0 and init[0]["nranks"] == 4
+    assert init[0]["comm_rank"] == 2 and init[0]["rank"] is None
+    # bytes = count x dtype size for NCCL calls.
+    ar = next(c for c in calls if c["fn"] == "ncclAllReduce")
+    assert ar["bytes"] == ar["count"] * 4
+    detach = t.events("detach")
+    assert detach and detach[-1]["reason"] == "target_exited"
+    assert detach[-1]["delivered"] == len(calls) and detach[-1]["lost"] == 0
+    assert "ncclAllReduce" in t.output()          # the final text summary
+
+
+def test_pncclx_alias_attached_once(nvidia_target, tracer):
+    """Resolving the catalog yields both ncclX and pncclX at one address."""
+    from bcc import BPF
+    from conftest import nccl_lib
+    found = BPF.get_user_functions_and_addresses(nccl_lib().encode(), b"^p?ncclAllReduce$")
+    names = {n for n, _ in found}
+    assert names == {b"ncclAllReduce", b"pncclAllReduce"}
+    assert len({a for _, a in found}) == 1
+    t = tracer([nvidia_target.pid], "-q")
+    t.wait_attached(1)
+    assert t.events("attach")[0]["functions"].count("ncclAllReduce") == 1
+    t.stop()
