@@ -12,7 +12,7 @@ examples:
   sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
   sudo greyhound-trace attach 4242 --json ev.jsonl --calls --duration 60
   sudo greyhound-trace attach 4242 --json - | jq 'select(.kind=="lost")'
-  sudo greyhound-trace attach --wait $(pgrep -f train.sh)   # libraries not loaded yet
+  sudo greyhound-trace attach --wait $(pgrep -f train.sh)  # ranks start later
 
 exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
@@ -21,7 +21,7 @@ exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 EPILOG_CHECK = """\
 examples:
   greyhound-trace check                # can this machine trace?
-  sudo greyhound-trace check --pid 4242   # ...and which libraries does 4242 map?
+  sudo greyhound-trace check --pid 4242   # ...and what does PID 4242 map?
 """
 
 
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     a = sub.add_parser("attach", help="trace a running job (needs root)",
-                       description="Attach uprobes to the NCCL, CUDA runtime and gloo calls of "
-                                   "a running job and its ranks, without restarting it.",
+                       description="Attach uprobes to the NCCL, CUDA runtime and gloo calls\n"
+                                   "of a running job and its ranks, without restarting it.",
                        epilog=EPILOG_ATTACH, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("pids", metavar="PID", type=_pid, nargs="+",
                    help="a rank, or a launcher (torchrun, mpirun, a script): its ranks are found")
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
-                       description="Check every requirement of `attach` and print the fix "
+                       description="Check every requirement of `attach` and print the fix\n"
                                    "for each one that fails. Exit 0 when tracing can work.",
                        epilog=EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--pid", type=_pid, help="also report which probe libraries PID maps")

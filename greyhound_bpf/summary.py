@@ -83,7 +83,9 @@ class CallStats:
         now = time.monotonic()
         span = max(now - self.interval_start, 1e-9)
         stamp = time.strftime("%H:%M:%S")
-        lines = [f"{stamp} {'RANK':>4} {'PID':>7} {'CALLS/S':>8} {'IN-CALL':>7}  "
+        # CALL s/s: seconds spent inside probed calls per wall second, summed
+        # over threads (gloo runs buckets on two threads, so it can pass 1).
+        lines = [f"{stamp} {'RANK':>4} {'PID':>7} {'CALLS/S':>8} {'CALL s/s':>8} "
                  f"{'TOP FUNCTION':<24} {'N':>6} {'MEAN ms':>8}"]
         for rs in self._sorted():
             if rs.interval_top:
@@ -92,10 +94,10 @@ class CallStats:
                 mean = f"{tot / n / 1e6:8.3f}"
             else:
                 top, n, mean = "-", 0, f"{'-':>8}"
-            busy = 100.0 * rs.interval_ns / 1e9 / span
+            busy = rs.interval_ns / 1e9 / span
             rank = "-" if rs.rank is None else str(rs.rank)
             lines.append(f"{'':8} {rank:>4} {rs.pid:>7} {rs.interval_count / span:8.1f} "
-                         f"{busy:6.1f}%  {safe(top, 24):<24} {n:>6} {mean}")
+                         f"{busy:8.3f} {safe(top, 24):<24} {n:>6} {mean}")
             rs.interval_count, rs.interval_ns = 0, 0
             rs.interval_top.clear()
         if lost_delta:

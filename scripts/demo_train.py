@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--go-file", help="wait for this file to exist before the first step")
     p.add_argument("--bucket-mb", type=float, default=0.25,
                    help="DDP bucket size: sets how many all-reduces a step issues")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="per-step wait for input, as a data loader would (default 0)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     step = 0
     try:
         while args.steps == 0 or step < args.steps:
+            if args.idle_ms:
+                time.sleep(args.idle_ms / 1000)
             t0 = time.time_ns()
             opt.zero_grad(set_to_none=True)
             total = 0.0

@@ -92,14 +92,24 @@ def free_port() -> int:
 
 
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    """Kill a process and every descendant. torchrun puts each worker in a
+    session of its own, so killing the launcher's process group is not enough."""
+    from greyhound_bpf.discovery import all_stats, descendants
+    tree = descendants([proc.pid], all_stats())
+    for pid in tree:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class Tracer:
