@@ -53,7 +53,9 @@ class Tracer:
         self.count_launches = count_launches
         self.bpf = None
         self.probes: dict[int, list[Probe]] = {}
-        self._launch_probes: dict[int, tuple[str, int]] = {}
+        # bcc event names per pid: detaching by name needs no symbol lookup,
+        # which fails once the process (and its /proc/PID/root) is gone.
+        self._events: dict[int, list[bytes]] = {}
         self._symcache: dict[tuple, dict[str, int]] = {}
         self._chunks: list[bytes] = []
         self.delivered = 0
@@ -120,8 +122,7 @@ class Tracer:
                 try:
                     self._attach_one(probe)
                 except Exception as e:
-                    for p in placed:
-                        self._detach_one(p)
+                    self._detach_events(target.pid)
                     if not os.path.exists(f"/proc/{target.pid}"):
                         return []
                     raise GreyhoundError(f"attaching {fn.name} in pid {target.pid} failed: {e}",
@@ -130,40 +131,37 @@ class Tracer:
             if self.count_launches:
                 for c in fam.counters:
                     if c in symbols:
-                        self.bpf.attach_uprobe(name=lib.host_path.encode(), addr=symbols[c],
-                                               fn_name=b"gh_count_launch", pid=target.pid)
-                        self._launch_probes[target.pid] = (lib.host_path, symbols[c])
+                        self._attach_raw(target.pid, lib.host_path, symbols[c],
+                                         "gh_count_launch", retprobe=False)
         self.probes.setdefault(target.pid, []).extend(placed)
         return placed
 
     def _attach_one(self, p: Probe) -> None:
-        name = p.path.encode()
-        self.bpf.attach_uprobe(name=name, addr=p.addr, fn_name=f"gh_enter_{p.fn.fid}".encode(),
-                               pid=p.pid)
+        self._attach_raw(p.pid, p.path, p.addr, f"gh_enter_{p.fn.fid}", retprobe=False)
         try:
-            self.bpf.attach_uretprobe(name=name, addr=p.addr,
-                                      fn_name=f"gh_return_{p.fn.fid}".encode(), pid=p.pid)
+            self._attach_raw(p.pid, p.path, p.addr, f"gh_return_{p.fn.fid}", retprobe=True)
         except Exception:
-            self.bpf.detach_uprobe(name=name, addr=p.addr, pid=p.pid)
+            self._detach_events(p.pid)
             raise
 
-    def _detach_one(self, p: Probe) -> None:
-        name = p.path.encode()
-        for detach in (self.bpf.detach_uprobe, self.bpf.detach_uretprobe):
+    def _attach_raw(self, pid: int, path: str, addr: int, fn_name: str, retprobe: bool) -> None:
+        before = set(self.bpf.uprobe_fds)
+        attach = self.bpf.attach_uretprobe if retprobe else self.bpf.attach_uprobe
+        attach(name=path.encode(), addr=addr, fn_name=fn_name.encode(), pid=pid)
+        self._events.setdefault(pid, []).extend(set(self.bpf.uprobe_fds) - before)
+
+    def _detach_events(self, pid: int) -> None:
+        for ev in self._events.pop(pid, []):
             try:
-                detach(name=name, addr=p.addr, pid=p.pid)
+                self.bpf.detach_uprobe_event(ev)
             except Exception:
-                pass   # already gone with its process
+                # bcc closes the fd first; only the tracefs clean-up can fail,
+                # and perf-PMU uprobes have no tracefs entry.
+                self.bpf.uprobe_fds.pop(ev, None)
 
     def detach(self, pid: int) -> None:
-        for p in self.probes.pop(pid, []):
-            self._detach_one(p)
-        lp = self._launch_probes.pop(pid, None)
-        if lp:
-            try:
-                self.bpf.detach_uprobe(name=lp[0].encode(), addr=lp[1], pid=pid)
-            except Exception:
-                pass
+        self.probes.pop(pid, None)
+        self._detach_events(pid)
 
     # -- draining ----------------------------------------------------------
 

@@ -92,3 +92,38 @@ def test_pncclx_alias_attached_once(nvidia_target, tracer):
     t.wait_attached(1)
     assert t.events("attach")[0]["functions"].count("ncclAllReduce") == 1
     t.stop()
+
+
+def _fds_of(pid: int) -> int:
+    import os
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[perf_event]"
+        except OSError:
+            pass
+    return n
+
+
+def test_probes_of_an_exited_rank_are_released(tracer):
+    """A rank that exits mid-trace gets its probes closed at once, not at the
+    tracer's exit: an elastic job that restarts ranks must not leak fds."""
+    targets = [subprocess.Popen([sys.executable, str(TARGETS / "nvidia_calls.py"), "1"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        for p in targets:
+            assert json.loads(p.stdout.readline()) == {"ready": True}
+        t = tracer([p.pid for p in targets], "-q")
+        t.wait_attached(2)
+        wait_for(lambda: _fds_of(t.proc.pid) == 2 * 2 * 22, 10, "44 perf-event fds")
+        targets[0].kill()
+        targets[0].wait()
+        wait_for(lambda: t.events("exit"), 10, "the exit event")
+        assert t.events("exit")[0]["pid"] == targets[0].pid
+        wait_for(lambda: _fds_of(t.proc.pid) == 2 * 22, 10, "the exited rank's fds to close")
+        assert t.stop() == 0
+    finally:
+        for p in targets:
+            p.kill()
+            p.wait()

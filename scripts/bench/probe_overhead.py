@@ -64,13 +64,15 @@ def run_none(exe, calls) -> float:
 
 
 def run_bare(exe, calls, bpf) -> float:
+    from bcc import BPF
+    name = str(exe).encode()
+    addr = dict(BPF.get_user_functions_and_addresses(name, b"^gh_bench_fn$"))[b"gh_bench_fn"]
     p = start_target(exe, calls)
-    bpf.attach_uprobe(name=str(exe).encode(), sym=b"gh_bench_fn", fn_name=b"bench_enter", pid=p.pid)
-    bpf.attach_uretprobe(name=str(exe).encode(), sym=b"gh_bench_fn", fn_name=b"bench_return",
-                         pid=p.pid)
+    bpf.attach_uprobe(name=name, addr=addr, fn_name=b"bench_enter", pid=p.pid)
+    bpf.attach_uretprobe(name=name, addr=addr, fn_name=b"bench_return", pid=p.pid)
     ns = finish_target(p)
-    bpf.detach_uprobe(name=str(exe).encode(), sym=b"gh_bench_fn", pid=p.pid)
-    bpf.detach_uretprobe(name=str(exe).encode(), sym=b"gh_bench_fn", pid=p.pid)
+    bpf.detach_uprobe(name=name, addr=addr, pid=p.pid)
+    bpf.detach_uretprobe(name=name, addr=addr, pid=p.pid)
     return ns
 
 
