@@ -63,7 +63,11 @@ class Tracer:
     # -- loading -----------------------------------------------------------
 
     def cflags(self) -> list[str]:
-        return [f"-I{probes_dir()}", f"-DGH_RINGBUF_PAGES={self.ringbuf_pages}"]
+        # A record takes its size plus an 8-byte ring header.
+        capacity = self.ringbuf_pages * 4096 // (CALL_DTYPE.itemsize + 8)
+        wakeup_every = max(1, min(64, capacity // 4))
+        return [f"-I{probes_dir()}", f"-DGH_RINGBUF_PAGES={self.ringbuf_pages}",
+                f"-DGH_WAKEUP_EVERY={wakeup_every}"]
 
     def source_path(self) -> str:
         return str(probes_dir() / "calls.bpf.c")
