@@ -240,8 +240,14 @@ class AttachSession:
             self._report_lost()
         reason = self.stop_reason or "signal"
         delivered = self.tracer.delivered if self.tracer else 0
-        self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported)
+        extra = {}
+        if self.opts.count_launches and self.tracer and self.tracer.bpf is not None:
+            extra["launches"] = {str(pid): n for pid, n in sorted(self.tracer.launch_counts().items())}
+        self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported, **extra)
         if self.writer:
             self.writer.flush()
         print(self.stats.format_final(self.lost_reported, delivered, time.monotonic() - t0),
               file=self.text_out, flush=True)
+        for pid, n in extra.get("launches", {}).items():
+            print(f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)",
+                  file=self.text_out, flush=True)

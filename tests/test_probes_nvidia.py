@@ -80,6 +80,20 @@ def test_every_call_seen_once_with_exact_arguments(nvidia_target, tracer):
     assert "ncclAllReduce" in t.output()          # the final text summary
 
 
+def test_kernel_launches_are_counted_in_the_kernel(nvidia_target, tracer):
+    t = tracer([nvidia_target.pid], "--calls", "--count-launches", "-q")
+    t.wait_attached(1)
+    made = run_calls(nvidia_target)
+    nvidia_target.stdin.write("\n")
+    nvidia_target.stdin.flush()
+    assert t.wait(60) == 0, t.output()
+    # One launch per round, counted per process; none is streamed as a call.
+    assert t.events("detach")[-1]["launches"] == {str(nvidia_target.pid): 5}
+    assert not [c for c in t.events("call") if c["fn"] == "cudaLaunchKernel"]
+    assert len(t.events("call")) == len(made)
+    assert "5 cudaLaunchKernel calls" in t.output()
+
+
 def test_pncclx_alias_attached_once(nvidia_target, tracer):
     """Resolving the catalog yields both ncclX and pncclX at one address."""
     from bcc import BPF

@@ -16,6 +16,10 @@ CUDART = ct.CDLL(f"{cuda_runtime.__path__[0]}/lib/libcudart.so.12")
 V = ct.c_void_p
 
 
+class Dim3(ct.Structure):
+    _fields_ = [("x", ct.c_uint), ("y", ct.c_uint), ("z", ct.c_uint)]
+
+
 class NcclUniqueId(ct.Structure):
     # Passed by value, in memory: 128 bytes take no argument register.
     _fields_ = [("internal", ct.c_char * 128)]
@@ -49,6 +53,11 @@ def calls(rounds: int) -> None:
         call(CUDART, "cudaStreamSynchronize", [V], V(0x9000 + i), stream=0x9000 + i)
         call(CUDART, "cudaMemcpy", [V, V, ct.c_size_t, ct.c_int],
              None, None, 2048, 2, count=2048, memcpy_kind="DeviceToHost")
+        # Counted in the kernel with --count-launches, never streamed.
+        launch = CUDART.cudaLaunchKernel
+        launch.argtypes = [V, Dim3, Dim3, V, ct.c_size_t, V]
+        launch.restype = ct.c_int
+        launch(None, Dim3(1, 1, 1), Dim3(32, 1, 1), None, 0, None)
     # nranks=4, rank=2; comm stays NULL because init fails without a GPU.
     call(NCCL, "ncclCommInitRank", [ct.POINTER(V), ct.c_int, NcclUniqueId, ct.c_int],
          ct.byref(comm_out), 4, unique_id, 2, nranks=4, comm_rank=2, comm=0)
