@@ -195,3 +195,85 @@ def bocd_run(xs, log_h, mu0, kappa0, alpha0, beta0, log_prune, rmax):
                 best = i
         out[t] = rl[best]
     return out
+
+
+@njit(cache=True)
+def find_gram(tokens, gram):
+    """Positions where `gram` starts in `tokens`."""
+    n, k = tokens.shape[0], gram.shape[0]
+    out = np.empty(max(n - k + 1, 0), dtype=np.int64)
+    m = 0
+    for i in range(n - k + 1):
+        ok = True
+        for j in range(k):
+            if tokens[i + j] != gram[j]:
+                ok = False
+                break
+        if ok:
+            out[m] = i
+            m += 1
+    return out[:m]
+
+
+@njit(cache=True)
+def score_anchors(tokens, gaps, period, k, tol, min_good):
+    """For every phase of the last full period in `tokens`, how well the
+    k-gram starting there marks iterations: the share of its consecutive
+    occurrences spaced one period apart (within tol), times how close its
+    count is to one per period. Also returns each phase's median preceding
+    time gap (the iteration start is where the host waited longest).
+    """
+    n = tokens.shape[0]
+    base = n - 2 * period - k
+    if base < 0:
+        base = 0
+    scores = np.zeros(period)
+    lead_gap = np.zeros(period)
+    expected = n / period
+    lo = period * (1.0 - tol)
+    hi = period * (1.0 + tol)
+    for ph in range(period):
+        p0 = base + ph
+        if p0 + k > n:
+            continue
+        pos = find_gram(tokens, tokens[p0:p0 + k])
+        if pos.shape[0] < 2:
+            continue
+        good = 0
+        for i in range(1, pos.shape[0]):
+            g = pos[i] - pos[i - 1]
+            if g >= lo and g <= hi:
+                good += 1
+        if good < min_good:
+            continue
+        regular = good / (pos.shape[0] - 1)
+        count_fit = min(pos.shape[0], expected) / max(pos.shape[0], expected)
+        scores[ph] = regular * count_fit
+        lg = np.empty(pos.shape[0])
+        for i in range(pos.shape[0]):
+            lg[i] = gaps[pos[i]]
+        lead_gap[ph] = np.median(lg)
+    return scores, lead_gap
+
+
+@njit(cache=True)
+def union_ns(starts, ends):
+    """Length of the union of [start, end) intervals (calls on several
+    threads overlap: gloo runs buckets on two)."""
+    n = starts.shape[0]
+    if n == 0:
+        return 0
+    order = np.argsort(starts)
+    total = 0
+    cur_s = starts[order[0]]
+    cur_e = ends[order[0]]
+    for j in range(1, n):
+        i = order[j]
+        if starts[i] > cur_e:
+            total += cur_e - cur_s
+            cur_s = starts[i]
+            cur_e = ends[i]
+        elif ends[i] > cur_e:
+            cur_e = ends[i]
+    total += cur_e - cur_s
+    return total

@@ -16,11 +16,14 @@ from pathlib import Path
 # a mistake (a typo would silently drop a field), so loading rejects it.
 FIELD_NAMES = frozenset({
     "count", "dtype", "op", "peer", "root", "comm", "stream", "nranks", "comm_rank",
-    "parent", "color", "key", "event", "memcpy_kind",
+    "parent", "color", "key", "event", "memcpy_kind", "elem_size",
 })
 IGNORED = "_"
 MAX_ARGS = 8      # GH_MAX_ARGS in probes/greyhound.h
 MAX_FUNCS = 48    # GH_MAX_FUNCS in probes/greyhound.h
+FIELD_SLOT0 = 6   # GH_FIELD_SLOT0
+MAX_FIELDS = 2    # GH_MAX_FIELDS
+ELEM_SIZES = frozenset({1, 2, 4, 8, 16})
 
 # Enum decoders named by a catalog's `enums` table (values from nccl.h and
 # driver_types.h). Unknown values are reported as their number.
@@ -54,6 +57,11 @@ class FunctionSpec:
     args: tuple[str, ...]     # slot names, "_" for unreported
     deref: tuple[int, ...]    # slots that are out-parameter pointers
     returns: bool             # False for void functions: ret is not reported
+    blocking: bool = False    # the host waits in it for the collective or the device
+    # Fields of a struct that slot field_slot points to: (name, byte offset),
+    # read at entry into slots FIELD_SLOT0.. (see probes/greyhound.h).
+    field_slot: int = 0
+    fields: tuple[tuple[str, int], ...] = ()
 
     @property
     def nargs(self) -> int:
@@ -102,6 +110,16 @@ class Catalog:
             if name in fam.enums:
                 v = ENUMS[fam.enums[name]].get(v, v)
             out[name] = v
+        for j, (name, _) in enumerate(fn.fields):
+            out[name] = int(slots[FIELD_SLOT0 + j])
+        if "elem_size" in out:
+            # A struct layout from another gloo version reads garbage: keep
+            # the numbers only when the element size is a real one.
+            if out["elem_size"] in ELEM_SIZES and 0 <= out.get("count", 0) < 1 << 40:
+                out["bytes"] = out.get("count", 0) * out["elem_size"]
+            else:
+                out.pop("elem_size")
+                out.pop("count", None)
         if fn.family == "nccl" and "count" in out and "dtype" in fn.args:
             size = NCCL_DTYPE_SIZE.get(int(slots[fn.args.index("dtype")]) & 0xFFFFFFFF)
             if size:
@@ -159,11 +177,22 @@ def _parse_family(raw: dict, where: str, fid: int) -> tuple[Family, int]:
             args.append(slot)
         if len(args) > MAX_ARGS:
             raise CatalogError(f"{where}: {entry['name']}: more than {MAX_ARGS} slots")
+        sf = entry.get("struct_fields", {})
+        fields = tuple((f["name"], int(f["offset"])) for f in sf.get("fields", []))
+        if fields:
+            if len(fields) > MAX_FIELDS or len(args) > FIELD_SLOT0:
+                raise CatalogError(f"{where}: {entry['name']}: at most {MAX_FIELDS} struct "
+                                   f"fields, with at most {FIELD_SLOT0} argument slots")
+            for fname, off in fields:
+                if fname not in FIELD_NAMES or not 0 <= off < 1 << 16:
+                    raise CatalogError(f"{where}: {entry['name']}: bad struct field {fname!r}")
         fns.append(FunctionSpec(
             fid=fid, family=name, name=entry["name"], kind=entry["kind"],
             symbols=tuple(entry.get("symbols", [entry["name"]])),
             args=tuple(args), deref=tuple(deref),
             returns=bool(entry.get("returns", True)),
+            blocking=bool(entry.get("blocking", False)),
+            field_slot=int(sf.get("slot", 0)), fields=fields,
         ))
         fid += 1
     counters = tuple(c["name"] for c in raw.get("counter", []))

@@ -18,6 +18,13 @@ exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
 """
 
+EPILOG_REPLAY = """\
+examples:
+  sudo greyhound-trace attach 4242 --json run.jsonl --calls --duration 300
+  greyhound-trace replay run.jsonl | jq 'select(.kind=="slowdown")'
+  greyhound-trace replay run.jsonl --no-iterations --threshold 0.2
+"""
+
 EPILOG_CHECK = """\
 examples:
   greyhound-trace check                # can this machine trace?
@@ -77,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("-q", "--quiet", action="store_true", help="no interval summaries")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
+    a.add_argument("--threshold", type=_positive, default=0.10, metavar="F",
+                   help="report a slowdown when iterations get this much slower (default 0.10)")
+    a.add_argument("--min-probability", type=_positive, default=0.9, metavar="P",
+                   help="change probability a slowdown needs (default 0.9)")
+
+    r = sub.add_parser("replay", help="run the engine over a recorded trace",
+                       description="Run the iteration estimator and slowdown detector over a\n"
+                                   "recording made with `attach --json FILE --calls`. The same\n"
+                                   "file always gives the same events.",
+                       epilog=EPILOG_REPLAY, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("file", metavar="FILE", help="JSON-lines recording with call events")
+    r.add_argument("--json", metavar="OUT", default="-",
+                   help="write the events here (default: stdout)")
+    r.add_argument("--no-iterations", action="store_true",
+                   help="leave out `iteration` events (keep pattern/slowdown/recovery)")
+    r.add_argument("--threshold", type=_positive, default=0.10, metavar="F")
+    r.add_argument("--min-probability", type=_positive, default=0.9, metavar="P")
+
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
                        description="Check every requirement of `attach` and print the fix\n"
                                    "for each one that fails. Exit 0 when tracing can work.",
@@ -100,8 +125,22 @@ def cmd_attach(args) -> int:
         pids=args.pids, json_path=args.json, calls=args.calls, duration=args.duration,
         interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
         ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
-        count_launches=args.count_launches, job=args.job)
+        count_launches=args.count_launches, job=args.job, threshold=args.threshold,
+        min_probability=args.min_probability)
     return AttachSession(opts).run()
+
+
+def cmd_replay(args) -> int:
+    from .events import JsonLinesWriter
+    from .replay import replay
+    events = replay(args.file, threshold=args.threshold, min_probability=args.min_probability)
+    out = JsonLinesWriter(args.json)
+    for ev in events:
+        if args.no_iterations and ev["kind"] == "iteration":
+            continue
+        out.write(ev)
+    out.close()
+    return 0
 
 
 def cmd_check(args) -> int:
@@ -121,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"attach": cmd_attach, "check": cmd_check}[args.command](args)
+        return {"attach": cmd_attach, "replay": cmd_replay,
+                "check": cmd_check}[args.command](args)
     except GreyhoundError as e:
         print(f"greyhound-trace: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -25,11 +25,17 @@ class GhCall(ct.Structure):
     ]
 
 
+GH_FIELD_SLOT0 = 6
+GH_MAX_FIELDS = 2
+
+
 class GhFnSpec(ct.Structure):
     _fields_ = [
         ("nargs", ct.c_uint8),
         ("deref_mask", ct.c_uint8),
-        ("pad", ct.c_uint8 * 6),
+        ("field_slot", ct.c_uint8),
+        ("nfields", ct.c_uint8),
+        ("field_off", ct.c_uint16 * GH_MAX_FIELDS),
     ]
 
 

@@ -22,6 +22,7 @@ from . import GreyhoundError
 from .catalog import Catalog, load_catalog
 from .discovery import Discovery, Target, read_stat
 from .events import JsonLinesWriter, make_event
+from .pipeline import JobPipeline
 from .summary import CallStats, safe
 from .tracer import DEFAULT_RINGBUF_PAGES, Tracer
 
@@ -44,6 +45,8 @@ class AttachOptions:
     ringbuf_pages: int = DEFAULT_RINGBUF_PAGES
     count_launches: bool = False
     job: str | None = None
+    threshold: float = 0.10
+    min_probability: float = 0.9
 
 
 def has_bpf_privileges() -> bool:
@@ -61,6 +64,19 @@ def has_bpf_privileges() -> bool:
     return False
 
 
+def describe_engine_event(kind: str, f: dict) -> str:
+    """One line for the text output."""
+    who = "job" if f.get("scope") == "job" else f"rank {f.get('rank')}"
+    if kind in ("slowdown", "recovery"):
+        return (f"{kind.upper()} {who} from iteration {f['index']}: {f['before_ms']:.1f} -> "
+                f"{f['after_ms']:.1f} ms (x{f['ratio']:.2f}, p={f['probability']:.2f})")
+    if kind == "pattern":
+        prev = "" if f["previous"] is None else f" (was {f['previous']})"
+        return (f"pattern rank {f['rank']}: {f['period_calls']} calls per iteration{prev}"
+                + (", split at long host gaps" if f["gap_classes"] else ""))
+    return f"{kind} {f}"
+
+
 class AttachSession:
     def __init__(self, opts: AttachOptions, catalog: Catalog | None = None,
                  text_out: TextIO | None = None, err: TextIO | None = None):
@@ -74,6 +90,8 @@ class AttachSession:
         self.discovery = Discovery(opts.pids, self.catalog)
         self.tracer: Tracer | None = None
         self.stats = CallStats(self.catalog)
+        self.pipeline = JobPipeline(self.catalog, threshold=opts.threshold,
+                                    min_probability=opts.min_probability)
         self.known: dict[int, Target] = {}
         self.job = opts.job or self._default_job()
         self.stop_reason: str | None = None
@@ -86,8 +104,8 @@ class AttachSession:
 
     # -- output --------------------------------------------------------------
 
-    def emit(self, kind: str, **fields) -> dict:
-        ev = make_event(kind, self.job, **fields)
+    def emit(self, kind: str, time_ns: int | None = None, **fields) -> dict:
+        ev = make_event(kind, self.job, time_ns, **fields)
         if self.writer:
             self.writer.write(ev)
         for sink in self.sinks:
@@ -165,7 +183,8 @@ class AttachSession:
                 self._rescan()
                 next_scan = now + SCAN_INTERVAL_S
             if next_summary and now >= next_summary and not self.stop_reason:
-                print(self.stats.format_interval(), file=self.text_out, flush=True)
+                print(self.stats.format_interval(self.pipeline.rank_view), file=self.text_out,
+                      flush=True)
                 summaries += 1
                 next_summary += self.opts.interval
                 if self.opts.count and summaries >= self.opts.count:
@@ -183,6 +202,7 @@ class AttachSession:
                 continue   # exited while we attached
             self.known[t.pid] = t
             self.stats.add_target(t.pid, t.rank, t.comm)
+            self.pipeline.add_rank(t.pid, t.rank)
             attached.append((t, probes))
         if attached or first:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
@@ -222,6 +242,11 @@ class AttachSession:
         if len(recs) == 0:
             return
         self.stats.add(recs)
+        ranks = {pid: t.rank for pid, t in self.known.items()}
+        for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
+            self.emit(kind, t_ns, **fields)
+            if kind != "iteration":
+                print(describe_engine_event(kind, fields), file=self.text_out, flush=True)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
         fns = self.catalog.functions

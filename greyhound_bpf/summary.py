@@ -79,29 +79,30 @@ class CallStats:
         return sorted(self.ranks.values(),
                       key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid))
 
-    def format_interval(self, lost_delta: int = 0) -> str:
+    def format_interval(self, view=None) -> str:
+        """One line per rank. `view(pid)` gives the engine's state for it:
+        iteration time, comm share and state (warming up, ok, slow)."""
         now = time.monotonic()
         span = max(now - self.interval_start, 1e-9)
         stamp = time.strftime("%H:%M:%S")
-        # CALL s/s: seconds spent inside probed calls per wall second, summed
-        # over threads (gloo runs buckets on two threads, so it can pass 1).
-        lines = [f"{stamp} {'RANK':>4} {'PID':>7} {'CALLS/S':>8} {'CALL s/s':>8} "
-                 f"{'TOP FUNCTION':<24} {'N':>6} {'MEAN ms':>8}"]
+        lines = [f"{stamp} {'RANK':>4} {'PID':>7} {'CALLS/S':>7} {'ITER ms':>8} {'COMM':>5} "
+                 f"{'STATE':<10} {'TOP FUNCTION':<15} {'MEAN ms':>7}"]
         for rs in self._sorted():
             if rs.interval_top:
                 fid, (n, tot) = max(rs.interval_top.items(), key=lambda kv: kv[1][1])
                 top = self.catalog.functions[fid].name
-                mean = f"{tot / n / 1e6:8.3f}"
+                mean = f"{tot / n / 1e6:7.3f}"
             else:
-                top, n, mean = "-", 0, f"{'-':>8}"
-            busy = rs.interval_ns / 1e9 / span
+                top, n, mean = "-", 0, "-"
+            v = view(rs.pid) if view else {}
+            it = f"{v['iter_ms']:8.2f}" if v.get("iter_ms") is not None else f"{'-':>8}"
+            cf = f"{100 * v['comm_frac']:4.0f}%" if v.get("comm_frac") is not None else f"{'-':>5}"
+            state = safe(v.get("state") or "-", 10)
             rank = "-" if rs.rank is None else str(rs.rank)
-            lines.append(f"{'':8} {rank:>4} {rs.pid:>7} {rs.interval_count / span:8.1f} "
-                         f"{busy:8.3f} {safe(top, 24):<24} {n:>6} {mean}")
+            lines.append(f"{'':8} {rank:>4} {rs.pid:>7} {rs.interval_count / span:7.1f} "
+                         f"{it} {cf} {state:<10} {safe(top, 15):<15} {mean[-7:]:>7}")
             rs.interval_count, rs.interval_ns = 0, 0
             rs.interval_top.clear()
-        if lost_delta:
-            lines.append(f"{'':8} LOST {lost_delta} records (ring buffer full)")
         self.interval_start = now
         return "\n".join(lines)
 

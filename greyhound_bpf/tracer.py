@@ -81,7 +81,11 @@ class Tracer:
                                  exit_code=1) from None
         spec_table = self.bpf["fn_spec"]
         for fn in self.catalog.functions:
-            spec_table[ct.c_int(fn.fid)] = GhFnSpec(nargs=fn.nargs, deref_mask=fn.deref_mask)
+            spec = GhFnSpec(nargs=fn.nargs, deref_mask=fn.deref_mask,
+                            field_slot=fn.field_slot, nfields=len(fn.fields))
+            for j, (_, off) in enumerate(fn.fields):
+                spec.field_off[j] = off
+            spec_table[ct.c_int(fn.fid)] = spec
         self.bpf["events"].open_ring_buffer(self._on_record)
 
     def _on_record(self, ctx, data, size):

@@ -58,6 +58,19 @@ static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
 		bpf_probe_read_user(&st.args[GH_REG_ARGS],
 				    (GH_MAX_ARGS - GH_REG_ARGS) * sizeof(u64),
 				    (void *)(PT_REGS_SP(ctx) + sizeof(u64)));
+	/* Fields of an options struct passed by pointer (gloo's element count
+	 * and size): read now, while the struct is alive. */
+	if (spec->nfields) {
+		u32 fs = spec->field_slot;
+		u64 base = fs < GH_REG_ARGS ? st.args[fs & 7] : 0;
+		if (base) {
+			bpf_probe_read_user(&st.args[GH_FIELD_SLOT0], sizeof(u64),
+					    (void *)(base + spec->field_off[0]));
+			if (spec->nfields > 1)
+				bpf_probe_read_user(&st.args[GH_FIELD_SLOT0 + 1], sizeof(u64),
+						    (void *)(base + spec->field_off[1]));
+		}
+	}
 
 	struct gh_inflight_key key = {
 		.tid = (u32)bpf_get_current_pid_tgid(),

@@ -29,11 +29,18 @@ struct gh_call {
 	__u64 args[GH_MAX_ARGS]; /* raw argument slots, meaning given by the catalog */
 };
 
+/* Struct fields read at entry land in these slots (a function that uses
+ * them has at most GH_REG_ARGS argument slots). */
+#define GH_FIELD_SLOT0 6
+#define GH_MAX_FIELDS 2
+
 /* Per-function capture settings, written by user space into fn_spec[fn]. */
 struct gh_fn_spec {
 	__u8 nargs;      /* slots to capture; > GH_REG_ARGS reads the stack */
 	__u8 deref_mask; /* bit i: slot i is a pointer to an out-value, read at return */
-	__u8 pad[6];
+	__u8 field_slot; /* slot holding a pointer to an options struct */
+	__u8 nfields;    /* u64 fields of that struct to read at entry (0..2) */
+	__u16 field_off[GH_MAX_FIELDS]; /* their byte offsets */
 };
 
 /* Key of the in-flight table: nested calls of different functions on one

@@ -25,7 +25,9 @@ int main(void) {
     printf("GH_MAX_ARGS %d\nGH_MAX_FUNCS %d\n", GH_MAX_ARGS, GH_MAX_FUNCS);
     F(gh_call, start_ns) F(gh_call, dur_ns) F(gh_call, pid) F(gh_call, tid)
     F(gh_call, fn) F(gh_call, flags) F(gh_call, ret) F(gh_call, args)
-    F(gh_fn_spec, nargs) F(gh_fn_spec, deref_mask)
+    F(gh_fn_spec, nargs) F(gh_fn_spec, deref_mask) F(gh_fn_spec, field_slot)
+    F(gh_fn_spec, nfields) F(gh_fn_spec, field_off)
+    printf("GH_FIELD_SLOT0 %d\nGH_MAX_FIELDS %d\n", GH_FIELD_SLOT0, GH_MAX_FIELDS);
     return 0;
 }
 """
@@ -61,7 +63,7 @@ def test_gh_call_offsets_match(c_layout, field):
     assert CALL_DTYPE.fields[field][0].itemsize == size
 
 
-@pytest.mark.parametrize("field", ["nargs", "deref_mask"])
+@pytest.mark.parametrize("field", ["nargs", "deref_mask", "field_slot", "nfields", "field_off"])
 def test_fn_spec_offsets_match(c_layout, field):
     off, size = c_layout[f"gh_fn_spec.{field}"]
     assert (getattr(GhFnSpec, field).offset, getattr(GhFnSpec, field).size) == (off, size)
@@ -70,3 +72,5 @@ def test_fn_spec_offsets_match(c_layout, field):
 def test_limits_match(c_layout):
     assert c_layout["GH_MAX_ARGS"] == (GH_MAX_ARGS,) == (catalog_mod.MAX_ARGS,)
     assert c_layout["GH_MAX_FUNCS"] == (catalog_mod.MAX_FUNCS,)
+    assert c_layout["GH_FIELD_SLOT0"] == (catalog_mod.FIELD_SLOT0,)
+    assert c_layout["GH_MAX_FIELDS"] == (catalog_mod.MAX_FIELDS,)

@@ -93,7 +93,11 @@ def test_decode_maps_enums_and_bytes():
     d = CAT.decode(fn, [0, 0, 1, (0xdead << 32) | 99, 42, 0, 0, 0], 0, 0)
     assert d["dtype"] == 99 and d["op"] == 42 and "bytes" not in d
     gloo = CAT.by_name["gloo::allreduce"]
-    assert CAT.decode(gloo, [0] * 8, 12345, 0) == {"ret": None}
+    assert CAT.decode(gloo, [0, 0, 0, 0, 0, 0, 1000, 4], 12345, 0) == \
+        {"count": 1000, "elem_size": 4, "bytes": 4000, "ret": None}
+    # An implausible element size (another gloo layout) drops the numbers.
+    assert CAT.decode(gloo, [0, 0, 0, 0, 0, 0, 1000, 3], 0, 0) == {"ret": None}
+    assert CAT.decode(CAT.by_name["gloo::barrier"], [0] * 8, 7, 0) == {"ret": None}
 
 
 def test_bad_catalog_is_rejected(tmp_path):

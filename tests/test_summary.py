@@ -33,6 +33,11 @@ def test_aggregation_per_rank_and_function():
     assert "gloo::allreduce" in lines[1] and "2.000" in lines[1]     # mean of 3 calls
     # The interval resets; totals stay.
     assert " 0.0" in s.format_interval().splitlines()[1]
+    # The engine's view of a rank: iteration time, comm share, state.
+    view = s.format_interval(lambda pid: {"state": "warming up", "iter_ms": 31.25,
+                                          "comm_frac": 0.4})
+    assert "31.25" in view and "40%" in view and "warming up" in view
+    assert all(len(line) <= 80 for line in view.splitlines())
     final = s.format_final(lost=7, delivered=4, elapsed_s=2.0)
     assert "4 calls traced" in final and "7 lost" in final
     assert all(len(line) <= 80 for line in final.splitlines())

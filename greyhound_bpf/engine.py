@@ -1,0 +1,596 @@
+"""The streaming engine: iteration time from the call sequence (ACF), and
+online slowdown detection on iteration times (BOCD).
+
+Data flow per rank: call records -> IterationEstimator -> IterationRecord ->
+SlowdownDetector -> ChangePoint. The classes here validate arguments and
+hold state; the hot loops are Numba kernels in greyhound_bpf._kernels. The
+engine takes plain arrays and records, so it runs the same on live tracer
+batches, on a replayed JSON-lines file, or on synthetic data.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _kernels
+
+# -- BOCD --------------------------------------------------------------------
+
+# Prior mass kept per update: hypotheses lighter than this are dropped, and
+# at most MAX_RUNS are kept, so an update costs O(MAX_RUNS) at any length.
+PRUNE_MASS = 1e-8
+MAX_RUNS = 256
+
+
+@dataclass(frozen=True)
+class RunLengthSummary:
+    """What one BOCD update says about the current segment."""
+    t: int                  # observations seen so far
+    map_run_length: int     # most probable number of observations in the current segment
+    map_probability: float  # its posterior mass
+    segment_start: int      # index of the first observation of the MAP segment
+    evidence: float         # log p(x_t | x_1..t-1)
+    n_hypotheses: int       # run lengths kept after pruning
+
+    def change_probability(self, within: int) -> float:  # pragma: no cover - doc helper
+        raise NotImplementedError
+
+
+class BOCD:
+    """Online Bayesian change-point detection (Adams & MacKay, 2007).
+
+    Gaussian observations with unknown mean and variance under a
+    Normal-Gamma(mu0, kappa0, alpha0, beta0) prior, a constant hazard
+    (probability of a change before each observation), and run-length
+    pruning. ``update(x)`` returns a RunLengthSummary; the run-length
+    posterior itself is available read-only through ``run_lengths`` and
+    ``probabilities``.
+    """
+
+    def __init__(self, *, hazard: float = 1 / 250, mu0: float = 0.0, kappa0: float = 1.0,
+                 alpha0: float = 1.0, beta0: float = 1.0, prune: float = PRUNE_MASS,
+                 max_runs: int = MAX_RUNS):
+        if not 0 < hazard < 1:
+            raise ValueError(f"hazard must be in (0, 1), not {hazard}")
+        if kappa0 <= 0 or alpha0 <= 0 or beta0 <= 0:
+            raise ValueError("kappa0, alpha0 and beta0 must be positive")
+        if max_runs < 1 or not 0 < prune < 1:
+            raise ValueError("max_runs >= 1 and 0 < prune < 1")
+        self.hazard, self.mu0, self.kappa0 = hazard, mu0, kappa0
+        self.alpha0, self.beta0 = alpha0, beta0
+        self._log_h = math.log(hazard)
+        self._log_1mh = math.log1p(-hazard)
+        self._log_prune = math.log(prune)
+        self._rmax = max_runs
+        self.reset()
+
+    def reset(self) -> None:
+        cap = self._rmax + 2
+        self._a = [np.zeros(cap, dtype=np.int64)] + [np.zeros(cap) for _ in range(5)]
+        self._b = [np.zeros(cap, dtype=np.int64)] + [np.zeros(cap) for _ in range(5)]
+        self._n = 0
+        self._t = 0
+
+    @property
+    def t(self) -> int:
+        return self._t
+
+    @property
+    def run_lengths(self) -> np.ndarray:
+        return self._a[0][:self._n].copy()
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        return np.exp(self._a[1][:self._n])
+
+    def probability_run_at_most(self, r: int) -> float:
+        """Posterior mass of a segment no longer than r observations: the
+        probability that a change happened within the last r observations."""
+        rl, lp = self._a[0][:self._n], self._a[1][:self._n]
+        return float(np.exp(lp[rl <= r]).sum())
+
+    def segment_params(self, run_length: int) -> tuple[float, float] | None:
+        """Posterior mean and standard deviation of the mean-and-noise model of
+        the segment with this run length, if it is still kept."""
+        rl = self._a[0][:self._n]
+        idx = np.nonzero(rl == run_length)[0]
+        if len(idx) == 0:
+            return None
+        i = idx[0]
+        _, _, mu, kappa, alpha, beta = (a[i] for a in self._a)
+        return float(mu), float(math.sqrt(beta / alpha))
+
+    def update(self, x: float) -> RunLengthSummary:
+        x = float(x)
+        if not math.isfinite(x):
+            raise ValueError(f"observation must be finite, not {x}")
+        a, b = self._a, self._b
+        n, evidence = _kernels.bocd_step(
+            x, self._n, a[0], a[1], a[2], a[3], a[4], a[5],
+            self._log_h, self._log_1mh, self.mu0, self.kappa0, self.alpha0, self.beta0,
+            self._log_prune, self._rmax, b[0], b[1], b[2], b[3], b[4], b[5])
+        self._a, self._b = b, a
+        self._n = n
+        self._t += 1
+        best = int(np.argmax(self._a[1][:n]))
+        r = int(self._a[0][best])
+        return RunLengthSummary(self._t, r, float(math.exp(self._a[1][best])),
+                                self._t - r, float(evidence), n)
+
+
+def default_prior(x: np.ndarray) -> dict:
+    """A data-scaled Normal-Gamma prior: centred on the median, with the
+    noise scale of the first differences (robust to level shifts)."""
+    x = np.asarray(x, dtype=np.float64)
+    if len(x) < 2:
+        return {"mu0": float(x[0]) if len(x) else 0.0, "kappa0": 0.1, "alpha0": 1.0, "beta0": 1.0}
+    d = np.diff(x)
+    mad = np.median(np.abs(d - np.median(d))) * 1.4826 / math.sqrt(2)
+    scale = mad if mad > 0 else (np.std(x) or 1.0)
+    return {"mu0": float(np.median(x)), "kappa0": 0.1, "alpha0": 1.0, "beta0": float(scale ** 2)}
+
+
+def changepoints(x, *, hazard: float = 1 / 100, mu0: float | None = None,
+                 kappa0: float | None = None, alpha0: float | None = None,
+                 beta0: float | None = None, prune: float = PRUNE_MASS,
+                 max_runs: int = MAX_RUNS) -> list[int]:
+    """Change points of a series by online BOCD (Adams & MacKay 2007).
+
+    Runs the pruned online BOCD over ``x`` once, recording the MAP run length
+    after every observation, then reads the MAP segmentation back from the
+    end: the segment holding the last observation starts at T - r_T, the one
+    before it ends just before that, and so on. Returns the index of the
+    first observation of every segment but the first (0 is never returned),
+    in increasing order.
+
+    Parameters not given come from ``default_prior(x)``: mean at the median
+    of x, noise scale from the median absolute first difference. ``hazard``
+    is the prior probability of a change before each observation.
+    """
+    x = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
+    if x.ndim != 1:
+        raise ValueError("changepoints expects a 1-D series")
+    if len(x) == 0:
+        return []
+    if not np.all(np.isfinite(x)):
+        raise ValueError("changepoints expects finite values")
+    p = default_prior(x)
+    mu0 = p["mu0"] if mu0 is None else mu0
+    kappa0 = p["kappa0"] if kappa0 is None else kappa0
+    alpha0 = p["alpha0"] if alpha0 is None else alpha0
+    beta0 = p["beta0"] if beta0 is None else beta0
+    BOCD(hazard=hazard, mu0=mu0, kappa0=kappa0, alpha0=alpha0, beta0=beta0,
+         prune=prune, max_runs=max_runs)    # validates the parameters
+    maprl = _kernels.bocd_run(x, math.log(hazard), mu0, kappa0, alpha0, beta0,
+                              math.log(prune), max_runs)
+    return map_segment_starts(maprl)
+
+
+def map_segment_starts(maprl: np.ndarray) -> list[int]:
+    """Segment starts from the MAP run length after each observation."""
+    cps = []
+    t = len(maprl) - 1
+    while t >= 0:
+        start = t - int(maprl[t]) + 1
+        if start <= 0:
+            break
+        cps.append(start)
+        t = start - 1
+    return sorted(cps)
+
+
+# -- slowdown detection ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChangePoint:
+    """A detected level change of the iteration time."""
+    kind: str            # "slowdown" or "recovery"
+    scope: str           # "job" or "rank N"
+    index: int           # observation index (iteration) where the new level starts
+    detected_at: int     # observation index at which it was detected
+    before_ms: float
+    after_ms: float
+    ratio: float         # after / before
+    probability: float   # posterior mass of a change within the new segment
+
+    def fields(self) -> dict:
+        return {"scope": self.scope, "index": self.index, "detected_index": self.detected_at,
+                "before_ms": round(self.before_ms, 4), "after_ms": round(self.after_ms, 4),
+                "ratio": round(self.ratio, 4), "probability": round(self.probability, 4)}
+
+
+class SlowdownDetector:
+    """Reads iteration times one at a time and reports level changes.
+
+    The times go through log() (a slowdown is a ratio) and a running
+    median of 3 (one-iteration spikes, such as a GC pause, vanish; a real
+    level change passes one iteration late) into a BOCD. A ``slowdown`` is
+    reported when the posterior mass of a change inside the MAP segment is
+    at least ``min_probability`` and the median of that segment is at least
+    ``threshold`` slower than the segment before it; a ``recovery`` when it
+    is that much faster. A speed-up is never a slowdown.
+    """
+
+    def __init__(self, *, scope: str = "job", threshold: float = 0.10,
+                 min_probability: float = 0.9, hazard: float = 1 / 250,
+                 warmup: int = 10, min_segment: int = 3, history: int = 50):
+        if threshold <= 0:
+            raise ValueError("threshold must be positive")
+        if not 0 < min_probability <= 1:
+            raise ValueError("min_probability must be in (0, 1]")
+        if warmup < 3 or min_segment < 1:
+            raise ValueError("warmup >= 3 and min_segment >= 1")
+        self.scope = scope
+        self.threshold = threshold
+        self.min_probability = min_probability
+        self.hazard = hazard
+        self.warmup = warmup            # iterations that set the prior; no detection before
+        self.min_segment = min_segment  # observations a new level needs before it is believed
+        self.history = history          # observations of the old level compared against
+        self.reset()
+
+    def reset(self) -> None:
+        self._raw: list[float] = []
+        self._logs: list[float] = []
+        self._bocd: BOCD | None = None
+        self._accepted_start = 0        # start of the segment the detector believes in
+        self.state = "warming_up"       # warming_up, ok, slow
+
+    @property
+    def n(self) -> int:
+        return len(self._raw)
+
+    def update(self, x: float) -> ChangePoint | None:
+        x = float(x)
+        if not (x > 0 and math.isfinite(x)):
+            raise ValueError(f"iteration time must be positive and finite, not {x}")
+        self._raw.append(x)
+        self._logs.append(math.log(x))
+        t = len(self._raw) - 1
+        if self._bocd is None:
+            if len(self._raw) < self.warmup:
+                return None
+            base = np.array(self._logs)
+            p = default_prior(base)
+            self._bocd = BOCD(hazard=self.hazard, mu0=p["mu0"], kappa0=0.05, alpha0=2.0,
+                              beta0=2.0 * max(p["beta0"], 1e-6))
+            self.state = "ok"
+            for i in range(len(base)):
+                self._bocd.update(self._filtered(i))
+            return None
+        s = self._bocd.update(self._filtered(t))
+        # The filter delays a level change by one observation: its segment
+        # start in raw indices is one earlier than BOCD's.
+        start = max(s.segment_start - 1, 0)
+        if start <= self._accepted_start or t - start + 1 < self.min_segment:
+            return None
+        prob = self._bocd.probability_run_at_most(s.map_run_length)
+        if prob < self.min_probability:
+            return None
+        new = float(np.median(self._raw[start:t + 1]))
+        old_lo = max(self._accepted_start, start - self.history)
+        if start - old_lo < self.min_segment:
+            return None
+        old = float(np.median(self._raw[old_lo:start]))
+        ratio = new / old
+        if ratio >= 1 + self.threshold:
+            kind = "slowdown"
+        elif ratio <= 1 / (1 + self.threshold):
+            kind = "recovery"
+        else:
+            return None
+        self._accepted_start = start
+        self.state = "slow" if kind == "slowdown" else "ok"
+        return ChangePoint(kind, self.scope, start, t, old, new, ratio, prob)
+
+    def _filtered(self, i: int) -> float:
+        lo = max(0, i - 2)
+        w = sorted(self._logs[lo:i + 1])
+        return w[len(w) // 2]
+
+
+# -- iteration estimation -------------------------------------------------------
+
+@dataclass(frozen=True)
+class IterationRecord:
+    rank: int | None
+    index: int           # iteration number since the pattern was locked
+    start_ns: int        # first call of the iteration's anchor
+    dur_ns: int          # anchor to next anchor
+    period_calls: int    # calls in this iteration
+    comm_ns: int         # time inside blocking calls (union over threads)
+    compute_ns: int      # dur_ns - comm_ns
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
+                "dur_ns": self.dur_ns, "period_calls": self.period_calls,
+                "comm_ns": self.comm_ns, "compute_ns": self.compute_ns}
+
+
+@dataclass(frozen=True)
+class PatternChange:
+    """The per-iteration call pattern was (re-)estimated."""
+    rank: int | None
+    period_calls: int
+    previous: int | None   # the period before, None the first time
+    reason: str            # "locked" (first estimate) or "changed"
+    at_ns: int
+    acf_peak: float        # adjusted ACF at the period
+    anchor_score: float    # share of iterations the anchor marks cleanly
+    gap_classes: bool      # whether long host gaps were needed to see the period
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "period_calls": self.period_calls, "previous": self.previous,
+                "reason": self.reason, "acf_peak": round(self.acf_peak, 4),
+                "anchor_score": round(self.anchor_score, 4), "gap_classes": self.gap_classes}
+
+
+class IterationEstimator:
+    """Finds iterations in one rank's call stream.
+
+    1. Period: the ACF of the call-type sequence (one-hot, so type ids are
+       nominal) over a sliding window; the period is the smallest lag whose
+       peak reaches ``peak_fraction`` of the highest one. When types alone do
+       not repeat (gloo DDP issues one all-reduce type), each call is also
+       tagged by whether it follows a long host gap, which marks the
+       iteration's compute phase.
+    2. Alignment: an anchor k-gram, the one whose occurrences are most
+       regularly one period apart, preferring the phase after the longest
+       host gap (the iteration start). Iterations run from one anchor to the
+       next, so an inserted or dropped call elsewhere does not shift them; a
+       missed anchor skips iterations instead of inventing one.
+    3. Re-estimation when no anchor has been seen for ``relock_after``
+       periods or iterations keep coming out irregular (a restarted job, a
+       new pattern), reported as a PatternChange.
+
+    Until a period is locked, ``state`` is "warming_up" and nothing is
+    guessed.
+    """
+
+    def __init__(self, *, rank: int | None = None, window: int = 4096, max_period: int = 500,
+                 min_period: int = 2, min_repeats: int = 3, peak_fraction: float = 0.8,
+                 min_peak: float = 0.05, min_anchor_score: float = 0.5, anchor_k: int = 4,
+                 tolerance: float = 0.1, relock_after: float = 4.0, min_calls: int = 32):
+        if not 2 <= min_period <= max_period:
+            raise ValueError("2 <= min_period <= max_period")
+        if window < min_repeats * max_period:
+            raise ValueError(f"window must hold {min_repeats} x max_period calls")
+        self.rank = rank
+        self.window = window
+        self.max_period, self.min_period, self.min_repeats = max_period, min_period, min_repeats
+        self.peak_fraction, self.min_peak = peak_fraction, min_peak
+        self.min_anchor_score, self.anchor_k, self.tolerance = min_anchor_score, anchor_k, tolerance
+        self.relock_after, self.min_calls = relock_after, min_calls
+        self.reset()
+
+    def reset(self) -> None:
+        self._types = np.empty(0, dtype=np.int64)
+        self._start = np.empty(0, dtype=np.int64)
+        self._end = np.empty(0, dtype=np.int64)
+        self._block = np.empty(0, dtype=bool)
+        self._gap = np.empty(0, dtype=np.int64)
+        self._offset = 0            # global call index of buffer position 0
+        self._last_call_start = None
+        self.state = "warming_up"
+        self.period: int | None = None
+        self._anchor: np.ndarray | None = None
+        self._gap_thr: int | None = None   # ns; None: gap classes not used
+        self._last_anchor: int | None = None  # global index
+        self._scanned = 0           # global index up to which anchors were searched
+        self._irregular = 0
+        self._seen = 0              # calls fed so far
+        self._try_at = self.min_calls   # call count at which to estimate next
+        self.index = 0
+        self.skipped = 0
+
+    # -- feeding -----------------------------------------------------------------
+
+    def feed(self, types, start_ns, dur_ns, blocking=None) -> list:
+        """Add calls (in start order); returns IterationRecords and
+        PatternChanges in the order they happened."""
+        types = np.asarray(types, dtype=np.int64)
+        start = np.asarray(start_ns, dtype=np.int64)
+        end = start + np.asarray(dur_ns, dtype=np.int64)
+        block = (np.ones(len(types), dtype=bool) if blocking is None
+                 else np.asarray(blocking, dtype=bool))
+        if not (len(types) == len(start) == len(end) == len(block)):
+            raise ValueError("types, start_ns, dur_ns and blocking differ in length")
+        if len(types) == 0:
+            return []
+        if types.min() < 0:
+            raise ValueError("call types must be non-negative")
+        prev = self._last_call_start if self._last_call_start is not None else start[0]
+        gap = np.diff(start, prepend=prev)
+        self._last_call_start = int(start[-1])
+        self._types = np.concatenate([self._types, types])
+        self._start = np.concatenate([self._start, start])
+        self._end = np.concatenate([self._end, end])
+        self._block = np.concatenate([self._block, block])
+        self._gap = np.concatenate([self._gap, gap])
+        self._seen += len(types)
+        out: list = []
+        if self.state == "locked":
+            out += self._match()
+        if self.state != "locked" and self._seen >= self._try_at:
+            change = self._estimate()
+            if change:
+                out.append(change)
+                out += self._match()
+        self._trim()
+        return out
+
+    def _n_since_anchor(self) -> int:
+        base = self._last_anchor if self._last_anchor is not None else self._offset
+        return self._offset + len(self._types) - base
+
+    def _tokens(self, lo: int, hi: int) -> np.ndarray:
+        t = self._types[lo:hi]
+        if self._gap_thr is None:
+            return t
+        return t * 2 + (self._gap[lo:hi] > self._gap_thr)
+
+    # -- period and anchor -----------------------------------------------------------
+
+    def _estimate(self) -> PatternChange | None:
+        # Estimate on the calls since the last anchor (a new pattern), at most a window.
+        lo = max(0, len(self._types) - self.window)
+        if self._last_anchor is not None:
+            lo = max(lo, self._last_anchor - self._offset)
+        n = len(self._types) - lo
+        nlags = min(self.max_period, n // self.min_repeats)
+        if nlags < self.min_period:
+            self._try_at = self._seen + self.min_calls
+            return None
+        best = None
+        for use_gaps in (False, True):
+            thr = _otsu_threshold(self._gap[lo:]) if use_gaps else None
+            if use_gaps and thr is None:
+                continue
+            self._gap_thr = thr
+            toks = self._tokens(lo, len(self._types))
+            found = self._period_and_anchor(toks, self._gap[lo:], nlags)
+            self._gap_thr = None
+            if found and (best is None or found[2] > best[2]):
+                best = (*found, thr)
+            if best and best[2] >= 0.8:
+                break
+        # Let the window grow before trying again.
+        self._try_at = self._seen + max(self.min_calls, n // 4)
+        if best is None:
+            return None
+        period, phase_abs, score, peak, thr = best
+        self._gap_thr = thr
+        toks = self._tokens(lo, len(self._types))
+        kk = _anchor_length(period, int(toks.max()) + 1, self.anchor_k)
+        self._anchor = toks[phase_abs:phase_abs + kk].copy()
+        previous = self.period
+        self.period = period
+        self.state = "locked"
+        self._irregular = 0
+        self._scanned = self._offset + lo
+        self._last_anchor = None
+        return PatternChange(self.rank, period, previous,
+                             "locked" if previous is None else "changed",
+                             int(self._start[-1]), peak, score, thr is not None)
+
+    def _period_and_anchor(self, toks: np.ndarray, gaps: np.ndarray, nlags: int):
+        n = len(toks)
+        ntypes = int(toks.max()) + 1
+        r = _kernels.categorical_acf(toks, ntypes, nlags)
+        if not np.isfinite(r[1:]).any():
+            return None
+        lags = np.arange(nlags + 1)
+        adj = r * n / np.maximum(n - lags, 1)      # undo the 1/n shrinkage at long lags
+        # Indels smear a long period's peak over neighbouring lags.
+        width = np.maximum(1, np.ceil(0.02 * lags)).astype(int)
+        sm = np.array([adj[max(0, k - w):k + w + 1].max() for k, w in zip(lags, width)])
+        cand = sm[self.min_period:]
+        top = float(cand.max())
+        if top < self.min_peak:
+            return None
+        for k in range(self.min_period, nlags + 1):
+            if sm[k] < self.peak_fraction * top:
+                continue
+            k_best = int(np.argmax(adj[max(self.min_period, k - width[k]):k + width[k] + 1])) \
+                + max(self.min_period, k - width[k])
+            kk = _anchor_length(k_best, ntypes, self.anchor_k)
+            if n < self.min_repeats * k_best + kk:
+                return None
+            scores, lead = _kernels.score_anchors(toks, gaps, k_best, kk, self.tolerance,
+                                                  self.min_repeats - 1)
+            ok = scores >= max(self.min_anchor_score, 0.8 * scores.max())
+            if not ok.any():
+                return None
+            ph = int(np.argmax(np.where(ok, lead, -1)))
+            base = max(n - 2 * k_best - kk, 0)
+            return k_best, base + ph + (len(self._types) - n), float(scores[ph]), float(adj[k_best])
+        return None
+
+    # -- matching --------------------------------------------------------------------
+
+    def _match(self) -> list:
+        out = []
+        k = len(self._anchor)
+        lo = max(self._scanned - self._offset, 0)
+        toks = self._tokens(lo, len(self._types))
+        pos = _kernels.find_gram(toks, self._anchor) + lo
+        self._scanned = self._offset + max(lo, len(self._types) - k + 1)
+        P = self.period
+        for p in pos.tolist():
+            g_abs = p + self._offset
+            if self._last_anchor is None:
+                self._last_anchor = g_abs
+                continue
+            gap = g_abs - self._last_anchor
+            if gap < P * (1 - self.tolerance):
+                continue                       # a spurious match inside an iteration
+            a = self._last_anchor - self._offset
+            if gap <= P * (1 + self.tolerance):
+                out.append(self._record(a, p))
+                self.index += 1
+                self._irregular = 0
+            else:
+                m = max(1, round(gap / P))
+                self.index += m
+                self.skipped += m
+                self._irregular += 1
+            self._last_anchor = g_abs
+        if self._irregular >= 5 or self._n_since_anchor() > self.relock_after * P + k:
+            self.state = "relocking"
+            self._try_at = self._seen
+            if self._irregular >= 5:
+                self._last_anchor = self._offset + len(self._types) - 1
+            self._irregular = 0
+        return out
+
+    def _record(self, a: int, b: int) -> IterationRecord:
+        start, stop = int(self._start[a]), int(self._start[b])
+        sel = self._block[a:b]
+        comm = int(_kernels.union_ns(np.minimum(self._start[a:b][sel], stop),
+                                     np.minimum(self._end[a:b][sel], stop)))
+        dur = stop - start
+        comm = min(comm, dur)
+        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm)
+
+    def _trim(self) -> None:
+        keep_from = len(self._types) - self.window
+        if self._last_anchor is not None:
+            keep_from = min(keep_from, self._last_anchor - self._offset)
+        keep_from = min(keep_from, self._scanned - self._offset - self.anchor_k)
+        if keep_from > 0:
+            for name in ("_types", "_start", "_end", "_block", "_gap"):
+                setattr(self, name, getattr(self, name)[keep_from:])
+            self._offset += keep_from
+
+
+def _anchor_length(period: int, ntypes: int, minimum: int) -> int:
+    """Calls in the anchor: enough that a chance repeat of it inside one
+    period is unlikely (ntypes^k >> period^2), no more than the period."""
+    need = math.ceil(2 * math.log(period + 1) / math.log(max(ntypes, 2))) + 1
+    return int(min(period, max(minimum, need)))
+
+
+def _otsu_threshold(gaps: np.ndarray) -> int | None:
+    """The host-gap length that best splits short gaps (between calls of one
+    phase) from long ones (compute), by Otsu's method on log gaps."""
+    g = gaps[gaps > 0]
+    if len(g) < 8:
+        return None
+    lg = np.log(g.astype(np.float64))
+    hist, edges = np.histogram(lg, bins=64)
+    if hist.sum() == 0:
+        return None
+    w = hist / hist.sum()
+    mids = (edges[:-1] + edges[1:]) / 2
+    w0 = np.cumsum(w)
+    m0 = np.cumsum(w * mids)
+    mt = m0[-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        between = (mt * w0 - m0) ** 2 / (w0 * (1 - w0))
+    between[~np.isfinite(between)] = -1
+    i = int(np.argmax(between))
+    if between[i] <= 0:
+        return None
+    return int(math.exp(edges[i + 1]))

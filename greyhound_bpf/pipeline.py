@@ -1,0 +1,160 @@
+"""From call records to engine events, for a whole job.
+
+One IterationEstimator and one SlowdownDetector per rank, and a job-level
+SlowdownDetector fed with the median of the ranks' latest iteration times.
+Used the same way by `attach` (live tracer batches) and `replay` (a recorded
+JSON-lines file), so both produce the same events from the same calls.
+Event times are the data's own times, which makes a replay deterministic.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .catalog import FIELD_SLOT0, Catalog
+from .engine import (ChangePoint, IterationEstimator, IterationRecord, PatternChange,
+                     SlowdownDetector)
+
+
+@dataclass
+class RankState:
+    key: int                       # pid (live) or rank (replay)
+    rank: int | None
+    estimator: IterationEstimator
+    detector: SlowdownDetector
+    types: dict = field(default_factory=dict)   # (fn, comm) -> call type id
+    last: IterationRecord | None = None
+    fed: list = field(default_factory=list)     # iteration index of each detector input
+
+
+class JobPipeline:
+    def __init__(self, catalog: Catalog, *, threshold: float = 0.10,
+                 min_probability: float = 0.9, estimator_args: dict | None = None):
+        self.catalog = catalog
+        self.threshold = threshold
+        self.min_probability = min_probability
+        self.estimator_args = estimator_args or {}
+        self.ranks: dict[int, RankState] = {}
+        self.job_detector = SlowdownDetector(scope="job", threshold=threshold,
+                                             min_probability=min_probability)
+        self._job_fed: list[int] = []             # leader's iteration index per job input
+        n = len(catalog.functions)
+        self._comm_slot = np.full(n, -1, dtype=np.int64)
+        self._count_slot = np.full(n, -1, dtype=np.int64)
+        self._blocking = np.zeros(n, dtype=bool)
+        for fn in catalog.functions:
+            if "comm" in fn.args:
+                self._comm_slot[fn.fid] = fn.args.index("comm")
+            if "count" in fn.args:
+                self._count_slot[fn.fid] = fn.args.index("count")
+            names = [f for f, _ in fn.fields]
+            if "count" in names:
+                self._count_slot[fn.fid] = FIELD_SLOT0 + names.index("count")
+            self._blocking[fn.fid] = fn.blocking
+
+    def add_rank(self, key: int, rank: int | None) -> None:
+        if key not in self.ranks:
+            self.ranks[key] = RankState(
+                key, rank, IterationEstimator(rank=rank, **self.estimator_args),
+                SlowdownDetector(scope="rank", threshold=self.threshold,
+                                 min_probability=self.min_probability))
+
+    # -- input ---------------------------------------------------------------------
+
+    def feed_records(self, recs: np.ndarray, rank_of: dict[int, int | None],
+                     mono_to_wall: int = 0) -> list[tuple[str, dict, int]]:
+        """Tracer batches (records.CALL_DTYPE). Returns (kind, fields, time_ns)."""
+        out = []
+        if len(recs) == 0:
+            return out
+        for pid in np.unique(recs["pid"]).tolist():
+            sel = recs[recs["pid"] == pid]
+            fn = sel["fn"].astype(np.int64)
+            rows = np.arange(len(sel))
+            slot = self._comm_slot[fn]
+            comm = np.where(slot >= 0, sel["args"][rows, np.maximum(slot, 0)], 0)
+            cslot = self._count_slot[fn]
+            count = np.where(cslot >= 0, sel["args"][rows, np.maximum(cslot, 0)], 0)
+            self.add_rank(pid, rank_of.get(pid))
+            out += self.feed_calls(pid, fn, comm.astype(np.uint64),
+                                   sel["start_ns"].astype(np.int64) + mono_to_wall,
+                                   sel["dur_ns"].astype(np.int64), count.astype(np.uint64))
+        return out
+
+    def feed_calls(self, key: int, fn: np.ndarray, comm: np.ndarray, start_ns: np.ndarray,
+                   dur_ns: np.ndarray, count: np.ndarray | None = None
+                   ) -> list[tuple[str, dict, int]]:
+        """One rank's calls. A call's type is (function, communicator, element
+        count): DDP's gloo buckets differ only by their size."""
+        rs = self.ranks[key]
+        if count is None:
+            count = np.zeros(len(fn), dtype=np.uint64)
+        order = np.argsort(start_ns, kind="stable")
+        fn, comm, start_ns, dur_ns = fn[order], comm[order], start_ns[order], dur_ns[order]
+        count = count[order]
+        with np.errstate(over="ignore"):
+            keys = (fn.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+                    ^ comm.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
+                    ^ count.astype(np.uint64) * np.uint64(0x165667B19E3779F9))
+        uniq, inv = np.unique(keys, return_inverse=True)
+        lut = np.array([rs.types.setdefault(int(k), len(rs.types)) for k in uniq.tolist()],
+                       dtype=np.int64)
+        types = lut[inv]
+        out = []
+        for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn]):
+            if isinstance(item, PatternChange):
+                out.append(("pattern", item.fields(), item.at_ns))
+                continue
+            rs.last = item
+            out.append(("iteration", item.fields(), item.start_ns + item.dur_ns))
+            rs.fed.append(item.index)
+            cp = rs.detector.update(item.dur_ns / 1e6)
+            if cp:
+                out.append(self._change(cp, rs.rank, item, rs.fed))
+            out += self._job_step(rs, item)
+        return out
+
+    # -- job level ------------------------------------------------------------------
+
+    def _leader(self) -> RankState | None:
+        locked = [r for r in self.ranks.values() if r.last is not None]
+        if not locked:
+            return None
+        return min(locked, key=lambda r: (r.rank is None, r.rank or 0, r.key))
+
+    def _job_step(self, rs: RankState, item: IterationRecord) -> list:
+        if self._leader() is not rs:
+            return []
+        # Ranks of a data-parallel job finish iterations together: the median
+        # of their latest iteration times is the job's, robust to one rank
+        # whose anchor slipped.
+        recent = [r.last.dur_ns for r in self.ranks.values()
+                  if r.last is not None and abs(r.last.start_ns - item.start_ns) < 2 * item.dur_ns]
+        dur_ms = statistics.median(recent) / 1e6
+        self._job_fed.append(item.index)
+        cp = self.job_detector.update(dur_ms)
+        return [self._change(cp, None, item, self._job_fed)] if cp else []
+
+    def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: list[int]):
+        # Detector positions -> the iteration indices of `iteration` events.
+        fields = cp.fields()
+        fields["index"], fields["detected_index"] = fed[cp.index], fed[cp.detected_at]
+        if cp.scope == "rank":
+            fields["rank"] = rank
+        return (cp.kind, fields, item.start_ns + item.dur_ns)
+
+    # -- state for summaries -------------------------------------------------------
+
+    def rank_view(self, key: int) -> dict:
+        rs = self.ranks.get(key)
+        if rs is None:
+            return {"state": "-", "iter_ms": None, "comm_frac": None, "period": None}
+        est = rs.estimator
+        state = est.state if est.state != "locked" else rs.detector.state
+        last = rs.last
+        return {"state": state.replace("_", " "),
+                "iter_ms": last.dur_ns / 1e6 if last else None,
+                "comm_frac": last.comm_ns / last.dur_ns if last and last.dur_ns else None,
+                "period": est.period}
