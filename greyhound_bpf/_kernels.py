@@ -6,9 +6,19 @@ hold the state. Every kernel is compiled once and cached on disk
 from __future__ import annotations
 
 import math
+import os
 
-import numpy as np
-from numba import njit
+# Numba caches compiled kernels beside this file. A user who cannot write
+# there (an unprivileged `greyhound-trace replay` of a root-owned install)
+# gets a per-user cache instead of an import error.
+if not os.access(os.path.dirname(os.path.abspath(__file__)), os.W_OK):
+    os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        if os.access(os.path.expanduser("~"), os.W_OK) else f"/tmp/greyhound-{os.getuid()}",
+        "greyhound-numba"))
+
+import numpy as np  # noqa: E402
+from numba import njit  # noqa: E402
 
 
 @njit(cache=True)
@@ -76,124 +86,135 @@ def categorical_acf(tokens, ntypes, nlags):
 
 
 @njit(cache=True)
+def _t_logpdf(x, lgd, alpha, loc, scale2):
+    """Student-t log density with nu = 2 alpha, given
+    lgd = lgamma(alpha + 1/2) - lgamma(alpha), carried per hypothesis: when
+    alpha grows by 1/2 it becomes log(alpha) - lgd (lgamma(a + 1) =
+    lgamma(a) + log a), one log instead of two lgammas per update."""
+    nu = 2.0 * alpha
+    z = (x - loc) * (x - loc) / (nu * scale2)
+    return lgd - 0.5 * math.log(nu * math.pi * scale2) - (alpha + 0.5) * math.log1p(z)
+
+
+@njit(cache=True)
 def _student_t_logpdf(x, nu, loc, scale2):
     z = (x - loc) * (x - loc) / (nu * scale2)
     return (math.lgamma(0.5 * (nu + 1.0)) - math.lgamma(0.5 * nu)
             - 0.5 * math.log(nu * math.pi * scale2) - 0.5 * (nu + 1.0) * math.log1p(z))
 
 
+# BOCD state layout: one (NROWS, capacity) float64 array, a row per quantity,
+# one column per kept hypothesis. Few arguments keep Numba's per-call
+# dispatch cheap, which matters at one call per observation.
+RL, LOGP, MU, KAPPA, ALPHA, BETA, LGD = 0, 1, 2, 3, 4, 5, 6
+NROWS = 7
+# params: log hazard, log(1 - hazard), mu0, kappa0, alpha0, beta0, log prune, max runs
+P_LOGH, P_LOG1MH, P_MU0, P_KAPPA0, P_ALPHA0, P_BETA0, P_LOGPRUNE, P_RMAX = range(8)
+
+
 @njit(cache=True)
-def bocd_step(x, n, rl, logp, mu, kappa, alpha, beta,
-              log_h, log_1mh, mu0, kappa0, alpha0, beta0, log_prune, rmax,
-              nrl, nlogp, nmu, nkappa, nalpha, nbeta):
+def bocd_step(x, n, st, nst, params):
     """One Adams & MacKay update with a Normal-Gamma model.
 
-    State: n hypotheses, each a run length rl[i] (observations in the current
+    `st` holds n hypotheses: a run length (observations in the current
     segment, x included after the update), its log posterior mass and its
-    Normal-Gamma parameters. Writes the new state into the n* arrays and
-    returns (new n, log evidence of x). Hypotheses whose mass falls under
-    exp(log_prune) are dropped and at most rmax are kept, so an update is
-    O(rmax) however long the series.
+    Normal-Gamma parameters. The new state goes to `nst`. Hypotheses whose
+    mass falls under the prune level are dropped and at most rmax are kept,
+    so an update is O(rmax) however long the series. Returns (new n, log
+    evidence of x, MAP run length, MAP posterior mass).
     """
-    # Growth: each run extends with x, weighted by its predictive density.
-    total = -np.inf
-    m = 0
+    log_h, log_1mh = params[P_LOGH], params[P_LOG1MH]
+    mu0, kappa0, alpha0, beta0 = params[P_MU0], params[P_KAPPA0], params[P_ALPHA0], params[P_BETA0]
+    log_prune, rmax = params[P_LOGPRUNE], int(params[P_RMAX])
+    # The change hypothesis: x starts a new segment, under the prior
+    # predictive, with mass H (the prior mass is 1 after normalisation).
     lp0 = _student_t_logpdf(x, 2.0 * alpha0, mu0, beta0 * (kappa0 + 1.0) / (alpha0 * kappa0))
-    # The change hypothesis: x starts a new segment, under the prior predictive.
-    # Its mass is H times the total prior mass (which is 1 after normalisation).
-    nrl[0] = 1
-    nlogp[0] = log_h + lp0
-    nkappa[0] = kappa0 + 1.0
-    nmu[0] = (kappa0 * mu0 + x) / (kappa0 + 1.0)
-    nalpha[0] = alpha0 + 0.5
-    nbeta[0] = beta0 + kappa0 * (x - mu0) * (x - mu0) / (2.0 * (kappa0 + 1.0))
+    nst[RL, 0] = 1.0
+    nst[LOGP, 0] = log_h + lp0
+    nst[KAPPA, 0] = kappa0 + 1.0
+    nst[MU, 0] = (kappa0 * mu0 + x) / (kappa0 + 1.0)
+    nst[ALPHA, 0] = alpha0 + 0.5
+    nst[BETA, 0] = beta0 + kappa0 * (x - mu0) * (x - mu0) / (2.0 * (kappa0 + 1.0))
+    nst[LGD, 0] = math.log(alpha0) - (math.lgamma(alpha0 + 0.5) - math.lgamma(alpha0))
     m = 1
+    # Growth: each run extends with x, weighted by its predictive density.
     for i in range(n):
-        s2 = beta[i] * (kappa[i] + 1.0) / (alpha[i] * kappa[i])
-        lp = _student_t_logpdf(x, 2.0 * alpha[i], mu[i], s2)
-        nrl[m] = rl[i] + 1
-        nlogp[m] = logp[i] + lp + log_1mh
-        k1 = kappa[i] + 1.0
-        nkappa[m] = k1
-        nmu[m] = (kappa[i] * mu[i] + x) / k1
-        nalpha[m] = alpha[i] + 0.5
-        nbeta[m] = beta[i] + kappa[i] * (x - mu[i]) * (x - mu[i]) / (2.0 * k1)
+        kap, mu, alp, bet, lgd = st[KAPPA, i], st[MU, i], st[ALPHA, i], st[BETA, i], st[LGD, i]
+        lp = _t_logpdf(x, lgd, alp, mu, bet * (kap + 1.0) / (alp * kap))
+        k1 = kap + 1.0
+        nst[LGD, m] = math.log(alp) - lgd
+        nst[RL, m] = st[RL, i] + 1.0
+        nst[LOGP, m] = st[LOGP, i] + lp + log_1mh
+        nst[KAPPA, m] = k1
+        nst[MU, m] = (kap * mu + x) / k1
+        nst[ALPHA, m] = alp + 0.5
+        nst[BETA, m] = bet + kap * (x - mu) * (x - mu) / (2.0 * k1)
         m += 1
-    # Normalise (log-sum-exp).
+    # Prune hypotheses negligible next to the heaviest (relative mass, so
+    # one normalisation pass suffices), then keep the rmax heaviest.
     mx = -np.inf
     for i in range(m):
-        if nlogp[i] > mx:
-            mx = nlogp[i]
-    s = 0.0
-    for i in range(m):
-        s += math.exp(nlogp[i] - mx)
-    total = mx + math.log(s)
-    for i in range(m):
-        nlogp[i] -= total
-    # Prune negligible mass, then keep the rmax heaviest.
+        if nst[LOGP, i] > mx:
+            mx = nst[LOGP, i]
     k = 0
     for i in range(m):
-        if nlogp[i] >= log_prune:
-            nrl[k] = nrl[i]
-            nlogp[k] = nlogp[i]
-            nmu[k] = nmu[i]
-            nkappa[k] = nkappa[i]
-            nalpha[k] = nalpha[i]
-            nbeta[k] = nbeta[i]
+        if nst[LOGP, i] - mx >= log_prune:
+            if k != i:
+                for r in range(NROWS):
+                    nst[r, k] = nst[r, i]
             k += 1
     if k > rmax:
-        order = np.argsort(-nlogp[:k])[:rmax]
+        order = np.argsort(-nst[LOGP, :k])[:rmax]
         order.sort()
-        rl2, lp2, mu2 = nrl[order].copy(), nlogp[order].copy(), nmu[order].copy()
-        ka2, al2, be2 = nkappa[order].copy(), nalpha[order].copy(), nbeta[order].copy()
+        kept = nst[:, order].copy()
         k = rmax
-        nrl[:k] = rl2
-        nlogp[:k] = lp2
-        nmu[:k] = mu2
-        nkappa[:k] = ka2
-        nalpha[:k] = al2
-        nbeta[:k] = be2
-    # Renormalise what is kept.
-    mx = -np.inf
+        nst[:, :k] = kept
+    # Evidence of x: the mass before normalisation (pruned terms are
+    # negligible by construction).
+    total = _normalise(nst, k)
+    best = 0
     for i in range(k):
-        if nlogp[i] > mx:
-            mx = nlogp[i]
-    s = 0.0
-    for i in range(k):
-        s += math.exp(nlogp[i] - mx)
-    c = mx + math.log(s)
-    for i in range(k):
-        nlogp[i] -= c
-    return k, total
+        if nst[LOGP, i] > nst[LOGP, best]:
+            best = i
+    return k, total, int(nst[RL, best]), math.exp(nst[LOGP, best])
 
 
 @njit(cache=True)
-def bocd_run(xs, log_h, mu0, kappa0, alpha0, beta0, log_prune, rmax):
+def _normalise(st, n):
+    mx = -np.inf
+    for i in range(n):
+        if st[LOGP, i] > mx:
+            mx = st[LOGP, i]
+    s = 0.0
+    for i in range(n):
+        s += math.exp(st[LOGP, i] - mx)
+    c = mx + math.log(s)
+    for i in range(n):
+        st[LOGP, i] -= c
+    return c
+
+
+@njit(cache=True)
+def mass_run_at_most(st, n, r):
+    s = 0.0
+    for i in range(n):
+        if st[RL, i] <= r:
+            s += math.exp(st[LOGP, i])
+    return s
+
+
+@njit(cache=True)
+def bocd_run(xs, params):
     """BOCD over a whole series: the MAP run length after each observation."""
-    cap = rmax + 2
-    bufs = [np.empty(cap) for _ in range(12)]
-    rl = np.zeros(cap, dtype=np.int64)
-    nrl = np.zeros(cap, dtype=np.int64)
-    logp, mu, kappa, alpha, beta = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
-    nlogp, nmu, nkappa, nalpha, nbeta = bufs[5], bufs[6], bufs[7], bufs[8], bufs[9]
+    cap = int(params[P_RMAX]) + 2
+    a = np.zeros((NROWS, cap))
+    b = np.zeros((NROWS, cap))
     n = 0
-    log_1mh = math.log1p(-math.exp(log_h))
     out = np.empty(xs.shape[0], dtype=np.int64)
     for t in range(xs.shape[0]):
-        n, _ = bocd_step(xs[t], n, rl, logp, mu, kappa, alpha, beta, log_h, log_1mh,
-                         mu0, kappa0, alpha0, beta0, log_prune, rmax,
-                         nrl, nlogp, nmu, nkappa, nalpha, nbeta)
-        rl, nrl = nrl, rl
-        logp, nlogp = nlogp, logp
-        mu, nmu = nmu, mu
-        kappa, nkappa = nkappa, kappa
-        alpha, nalpha = nalpha, alpha
-        beta, nbeta = nbeta, beta
-        best = 0
-        for i in range(n):
-            if logp[i] > logp[best]:
-                best = i
-        out[t] = rl[best]
+        n, _, rl, _ = bocd_step(xs[t], n, a, b, params)
+        a, b = b, a
+        out[t] = rl
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,24 +19,24 @@ from . import _kernels
 
 # -- BOCD --------------------------------------------------------------------
 
-# Prior mass kept per update: hypotheses lighter than this are dropped, and
-# at most MAX_RUNS are kept, so an update costs O(MAX_RUNS) at any length.
-PRUNE_MASS = 1e-8
-MAX_RUNS = 256
+# Hypotheses lighter than PRUNE_MASS are dropped and at most MAX_RUNS kept,
+# so an update costs O(MAX_RUNS) at any length. 1e-6 loses no change point
+# of the reference (unpruned) BOCD on the test series; 64 runs cover the
+# uncertainty about where a segment started many times over.
+PRUNE_MASS = 1e-6
+MAX_RUNS = 64
 
 
-@dataclass(frozen=True)
-class RunLengthSummary:
-    """What one BOCD update says about the current segment."""
+class RunLengthSummary(NamedTuple):
+    """What one BOCD update says about the current segment. (A NamedTuple:
+    it is made once per observation, and a frozen dataclass costs more
+    than the pruned update itself.)"""
     t: int                  # observations seen so far
     map_run_length: int     # most probable number of observations in the current segment
     map_probability: float  # its posterior mass
     segment_start: int      # index of the first observation of the MAP segment
     evidence: float         # log p(x_t | x_1..t-1)
     n_hypotheses: int       # run lengths kept after pruning
-
-    def change_probability(self, within: int) -> float:  # pragma: no cover - doc helper
-        raise NotImplementedError
 
 
 class BOCD:
@@ -60,16 +61,15 @@ class BOCD:
             raise ValueError("max_runs >= 1 and 0 < prune < 1")
         self.hazard, self.mu0, self.kappa0 = hazard, mu0, kappa0
         self.alpha0, self.beta0 = alpha0, beta0
-        self._log_h = math.log(hazard)
-        self._log_1mh = math.log1p(-hazard)
-        self._log_prune = math.log(prune)
-        self._rmax = max_runs
+        self.prune, self.max_runs = prune, max_runs
+        self._params = np.array([math.log(hazard), math.log1p(-hazard), mu0, kappa0, alpha0,
+                                 beta0, math.log(prune), max_runs], dtype=np.float64)
         self.reset()
 
     def reset(self) -> None:
-        cap = self._rmax + 2
-        self._a = [np.zeros(cap, dtype=np.int64)] + [np.zeros(cap) for _ in range(5)]
-        self._b = [np.zeros(cap, dtype=np.int64)] + [np.zeros(cap) for _ in range(5)]
+        cap = self.max_runs + 2
+        self._a = np.zeros((_kernels.NROWS, cap))
+        self._b = np.zeros((_kernels.NROWS, cap))
         self._n = 0
         self._t = 0
 
@@ -79,45 +79,26 @@ class BOCD:
 
     @property
     def run_lengths(self) -> np.ndarray:
-        return self._a[0][:self._n].copy()
+        return self._a[_kernels.RL, :self._n].astype(np.int64)
 
     @property
     def probabilities(self) -> np.ndarray:
-        return np.exp(self._a[1][:self._n])
+        return np.exp(self._a[_kernels.LOGP, :self._n])
 
     def probability_run_at_most(self, r: int) -> float:
         """Posterior mass of a segment no longer than r observations: the
         probability that a change happened within the last r observations."""
-        rl, lp = self._a[0][:self._n], self._a[1][:self._n]
-        return float(np.exp(lp[rl <= r]).sum())
-
-    def segment_params(self, run_length: int) -> tuple[float, float] | None:
-        """Posterior mean and standard deviation of the mean-and-noise model of
-        the segment with this run length, if it is still kept."""
-        rl = self._a[0][:self._n]
-        idx = np.nonzero(rl == run_length)[0]
-        if len(idx) == 0:
-            return None
-        i = idx[0]
-        _, _, mu, kappa, alpha, beta = (a[i] for a in self._a)
-        return float(mu), float(math.sqrt(beta / alpha))
+        return float(_kernels.mass_run_at_most(self._a, self._n, float(r)))
 
     def update(self, x: float) -> RunLengthSummary:
         x = float(x)
         if not math.isfinite(x):
             raise ValueError(f"observation must be finite, not {x}")
-        a, b = self._a, self._b
-        n, evidence = _kernels.bocd_step(
-            x, self._n, a[0], a[1], a[2], a[3], a[4], a[5],
-            self._log_h, self._log_1mh, self.mu0, self.kappa0, self.alpha0, self.beta0,
-            self._log_prune, self._rmax, b[0], b[1], b[2], b[3], b[4], b[5])
-        self._a, self._b = b, a
+        n, evidence, r, p = _kernels.bocd_step(x, self._n, self._a, self._b, self._params)
+        self._a, self._b = self._b, self._a
         self._n = n
         self._t += 1
-        best = int(np.argmax(self._a[1][:n]))
-        r = int(self._a[0][best])
-        return RunLengthSummary(self._t, r, float(math.exp(self._a[1][best])),
-                                self._t - r, float(evidence), n)
+        return RunLengthSummary(self._t, r, p, self._t - r, evidence, n)
 
 
 def default_prior(x: np.ndarray) -> dict:
@@ -161,10 +142,9 @@ def changepoints(x, *, hazard: float = 1 / 100, mu0: float | None = None,
     kappa0 = p["kappa0"] if kappa0 is None else kappa0
     alpha0 = p["alpha0"] if alpha0 is None else alpha0
     beta0 = p["beta0"] if beta0 is None else beta0
-    BOCD(hazard=hazard, mu0=mu0, kappa0=kappa0, alpha0=alpha0, beta0=beta0,
-         prune=prune, max_runs=max_runs)    # validates the parameters
-    maprl = _kernels.bocd_run(x, math.log(hazard), mu0, kappa0, alpha0, beta0,
-                              math.log(prune), max_runs)
+    b = BOCD(hazard=hazard, mu0=mu0, kappa0=kappa0, alpha0=alpha0, beta0=beta0,
+             prune=prune, max_runs=max_runs)
+    maprl = _kernels.bocd_run(x, b._params)
     return map_segment_starts(maprl)
 
 
@@ -204,27 +184,43 @@ class ChangePoint:
 class SlowdownDetector:
     """Reads iteration times one at a time and reports level changes.
 
-    The times go through log() (a slowdown is a ratio) and a running
-    median of 3 (one-iteration spikes, such as a GC pause, vanish; a real
-    level change passes one iteration late) into a BOCD. A ``slowdown`` is
-    reported when the posterior mass of a change inside the MAP segment is
-    at least ``min_probability`` and the median of that segment is at least
-    ``threshold`` slower than the segment before it; a ``recovery`` when it
-    is that much faster. A speed-up is never a slowdown.
+    The times go through log() (a slowdown is a ratio) and a running median
+    of 3 (a one-iteration spike, such as a GC pause, vanishes; a real level
+    change passes one iteration late) into a BOCD. When the BOCD's MAP
+    segment starts after the last accepted change with posterior mass of at
+    least ``min_probability``, the new segment is compared with up to
+    ``history`` iterations before it, robustly (medians, MAD scale):
+
+    - the shift must be significant: the mean of the new values, clipped
+      to 3 noise scales around the old level, is ``min_z`` standard errors
+      away from it, so a few unlucky iterations of noise do not alarm;
+    - it must be at least ``threshold`` in size: the ratio's one-standard-
+      error upper bound reaches 1 + threshold (a true 10% slowdown is
+      estimated below 10% half of the time; requiring the point estimate
+      to pass would miss it that often).
+
+    A slower new level is a ``slowdown``, a faster one a ``recovery``; a
+    speed-up is never a slowdown.
     """
 
+    # Keep at most this many iterations; older ones are never compared again.
+    MAX_KEPT = 4096
+    # Iterations whose first differences give the long-run noise scale.
+    SCALE_WINDOW = 500
+
     def __init__(self, *, scope: str = "job", threshold: float = 0.10,
-                 min_probability: float = 0.9, hazard: float = 1 / 250,
+                 min_probability: float = 0.9, min_z: float = 4.5, hazard: float = 1 / 250,
                  warmup: int = 10, min_segment: int = 3, history: int = 50):
         if threshold <= 0:
             raise ValueError("threshold must be positive")
         if not 0 < min_probability <= 1:
             raise ValueError("min_probability must be in (0, 1]")
-        if warmup < 3 or min_segment < 1:
-            raise ValueError("warmup >= 3 and min_segment >= 1")
+        if warmup < 3 or min_segment < 1 or min_z <= 0:
+            raise ValueError("warmup >= 3, min_segment >= 1, min_z > 0")
         self.scope = scope
         self.threshold = threshold
         self.min_probability = min_probability
+        self.min_z = min_z
         self.hazard = hazard
         self.warmup = warmup            # iterations that set the prior; no detection before
         self.min_segment = min_segment  # observations a new level needs before it is believed
@@ -234,13 +230,14 @@ class SlowdownDetector:
     def reset(self) -> None:
         self._raw: list[float] = []
         self._logs: list[float] = []
+        self._base = 0                  # index of _raw[0]
         self._bocd: BOCD | None = None
         self._accepted_start = 0        # start of the segment the detector believes in
         self.state = "warming_up"       # warming_up, ok, slow
 
     @property
     def n(self) -> int:
-        return len(self._raw)
+        return self._base + len(self._raw)
 
     def update(self, x: float) -> ChangePoint | None:
         x = float(x)
@@ -248,46 +245,72 @@ class SlowdownDetector:
             raise ValueError(f"iteration time must be positive and finite, not {x}")
         self._raw.append(x)
         self._logs.append(math.log(x))
-        t = len(self._raw) - 1
+        t = self.n - 1
+        if len(self._raw) > self.MAX_KEPT:
+            drop = len(self._raw) - self.MAX_KEPT // 2
+            del self._raw[:drop], self._logs[:drop]
+            self._base += drop
         if self._bocd is None:
-            if len(self._raw) < self.warmup:
+            if self.n < self.warmup:
                 return None
             base = np.array(self._logs)
             p = default_prior(base)
             self._bocd = BOCD(hazard=self.hazard, mu0=p["mu0"], kappa0=0.05, alpha0=2.0,
                               beta0=2.0 * max(p["beta0"], 1e-6))
             self.state = "ok"
-            for i in range(len(base)):
+            for i in range(self.n):
                 self._bocd.update(self._filtered(i))
             return None
         s = self._bocd.update(self._filtered(t))
+        if self.n < 3 * self.warmup:
+            return None     # the noise scale is not known well enough yet
         # The filter delays a level change by one observation: its segment
         # start in raw indices is one earlier than BOCD's.
-        start = max(s.segment_start - 1, 0)
+        start = max(s.segment_start - 1, self._base)
         if start <= self._accepted_start or t - start + 1 < self.min_segment:
             return None
-        prob = self._bocd.probability_run_at_most(s.map_run_length)
+        # Mass of "a change within the new segment, give or take": runs that
+        # start a few observations before the MAP start are nearly as likely
+        # (the boundary is uncertain) and must count, or a clear change reads
+        # as 60%; runs twice as long as the new segment are the old level.
+        r = s.map_run_length
+        prob = self._bocd.probability_run_at_most(r + max(5, r))
         if prob < self.min_probability:
             return None
-        new = float(np.median(self._raw[start:t + 1]))
-        old_lo = max(self._accepted_start, start - self.history)
-        if start - old_lo < self.min_segment:
-            return None
-        old = float(np.median(self._raw[old_lo:start]))
-        ratio = new / old
-        if ratio >= 1 + self.threshold:
+        old_lo = max(self._accepted_start, start - self.history, self._base)
+        if start - old_lo < max(self.min_segment, self.warmup):
+            return None     # too little of the old level to compare against
+        old = np.array(self._logs[old_lo - self._base:start - self._base])
+        new = np.array(self._logs[start - self._base:t + 1 - self._base])
+        m_old, m_new = float(np.median(old)), float(np.median(new))
+        # Noise scale: the old segment's MAD, but never below the scale of the
+        # recent first differences (robust to level shifts): 50 samples
+        # can underestimate it by a third, and z would then be inflated.
+        recent = np.diff(np.array(self._logs[-self.SCALE_WINDOW:]))
+        diff_scale = 1.4826 * float(np.median(np.abs(recent))) / math.sqrt(2) if len(recent) else 0
+        scale = max(1.4826 * float(np.median(np.abs(old - m_old))), diff_scale, 1e-3)
+        se = 1.25 * scale * math.sqrt(1 / len(new) + 1 / len(old))   # s.e. of a median difference
+        # Significance from the mean of the new values clipped to 3 scales of
+        # the old level: efficient when the new segment is only a few
+        # iterations long (a median of 3 is decided by 2 unlucky values),
+        # and a single spike cannot carry it.
+        clipped = np.clip(new, m_old - 3 * scale, m_old + 3 * scale)
+        z = (float(clipped.mean()) - m_old) / (scale * math.sqrt(1 / len(new) + 1.5625 / len(old)))
+        limit = math.log1p(self.threshold)
+        if z >= self.min_z and m_new - m_old + se >= limit:
             kind = "slowdown"
-        elif ratio <= 1 / (1 + self.threshold):
+        elif z <= -self.min_z and m_new - m_old - se <= -limit:
             kind = "recovery"
         else:
             return None
         self._accepted_start = start
         self.state = "slow" if kind == "slowdown" else "ok"
-        return ChangePoint(kind, self.scope, start, t, old, new, ratio, prob)
+        return ChangePoint(kind, self.scope, start, t, math.exp(m_old), math.exp(m_new),
+                           math.exp(m_new - m_old), prob)
 
     def _filtered(self, i: int) -> float:
-        lo = max(0, i - 2)
-        w = sorted(self._logs[lo:i + 1])
+        j = i - self._base
+        w = sorted(self._logs[max(0, j - 2):j + 1])
         return w[len(w) // 2]
 
 
@@ -297,8 +320,8 @@ class SlowdownDetector:
 class IterationRecord:
     rank: int | None
     index: int           # iteration number since the pattern was locked
-    start_ns: int        # first call of the iteration's anchor
-    dur_ns: int          # anchor to next anchor
+    start_ns: int        # end of the previous iteration's last call
+    dur_ns: int          # to the end of this iteration's last call
     period_calls: int    # calls in this iteration
     comm_ns: int         # time inside blocking calls (union over threads)
     compute_ns: int      # dur_ns - comm_ns
@@ -378,6 +401,7 @@ class IterationEstimator:
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
         self._last_anchor: int | None = None  # global index
+        self._prev_end: int | None = None     # end of the previous iteration (ns)
         self._scanned = 0           # global index up to which anchors were searched
         self._irregular = 0
         self._seen = 0              # calls fed so far
@@ -389,18 +413,33 @@ class IterationEstimator:
 
     def feed(self, types, start_ns, dur_ns, blocking=None) -> list:
         """Add calls (in start order); returns IterationRecords and
-        PatternChanges in the order they happened."""
+        PatternChanges in the order they happened. The result does not
+        depend on how the calls are split into batches."""
         types = np.asarray(types, dtype=np.int64)
         start = np.asarray(start_ns, dtype=np.int64)
-        end = start + np.asarray(dur_ns, dtype=np.int64)
+        dur = np.asarray(dur_ns, dtype=np.int64)
         block = (np.ones(len(types), dtype=bool) if blocking is None
                  else np.asarray(blocking, dtype=bool))
-        if not (len(types) == len(start) == len(end) == len(block)):
+        if not (types.ndim == start.ndim == dur.ndim == block.ndim == 1
+                and len(types) == len(start) == len(dur) == len(block)):
             raise ValueError("types, start_ns, dur_ns and blocking differ in length")
         if len(types) == 0:
             return []
         if types.min() < 0:
             raise ValueError("call types must be non-negative")
+        out: list = []
+        i = 0
+        while i < len(types):
+            # Stop at the call count where an estimate is due, so estimates
+            # happen at the same calls whatever the batch boundaries.
+            j = len(types)
+            if self.state != "locked":
+                j = min(j, i + max(1, self._try_at - self._seen))
+            out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j])
+            i = j
+        return out
+
+    def _feed(self, types, start, end, block) -> list:
         prev = self._last_call_start if self._last_call_start is not None else start[0]
         gap = np.diff(start, prepend=prev)
         self._last_call_start = int(start[-1])
@@ -460,17 +499,18 @@ class IterationEstimator:
         self._try_at = self._seen + max(self.min_calls, n // 4)
         if best is None:
             return None
-        period, phase_abs, score, peak, thr = best
+        period, phase, score, peak, thr = best     # phase: index into the window
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
         kk = _anchor_length(period, int(toks.max()) + 1, self.anchor_k)
-        self._anchor = toks[phase_abs:phase_abs + kk].copy()
+        self._anchor = toks[phase:phase + kk].copy()
         previous = self.period
         self.period = period
         self.state = "locked"
         self._irregular = 0
         self._scanned = self._offset + lo
         self._last_anchor = None
+        self._prev_end = None
         return PatternChange(self.rank, period, previous,
                              "locked" if previous is None else "changed",
                              int(self._start[-1]), peak, score, thr is not None)
@@ -488,7 +528,9 @@ class IterationEstimator:
         sm = np.array([adj[max(0, k - w):k + w + 1].max() for k, w in zip(lags, width)])
         cand = sm[self.min_period:]
         top = float(cand.max())
-        if top < self.min_peak:
+        # The ACF of an unrelated sequence at one lag is ~N(0, 1/n): over a
+        # few hundred lags a chance peak of 3/sqrt(n) is expected.
+        if top < max(self.min_peak, 4.0 / math.sqrt(n)):
             return None
         for k in range(self.min_period, nlags + 1):
             if sm[k] < self.peak_fraction * top:
@@ -505,7 +547,7 @@ class IterationEstimator:
                 return None
             ph = int(np.argmax(np.where(ok, lead, -1)))
             base = max(n - 2 * k_best - kk, 0)
-            return k_best, base + ph + (len(self._types) - n), float(scores[ph]), float(adj[k_best])
+            return k_best, base + ph, float(scores[ph]), float(adj[k_best])
         return None
 
     # -- matching --------------------------------------------------------------------
@@ -522,20 +564,23 @@ class IterationEstimator:
             g_abs = p + self._offset
             if self._last_anchor is None:
                 self._last_anchor = g_abs
+                self._prev_end = self._period_end(p)
                 continue
             gap = g_abs - self._last_anchor
             if gap < P * (1 - self.tolerance):
                 continue                       # a spurious match inside an iteration
             a = self._last_anchor - self._offset
-            if gap <= P * (1 + self.tolerance):
-                out.append(self._record(a, p))
+            end = self._period_end(p)
+            if gap <= P * (1 + self.tolerance) and self._prev_end is not None:
+                out.append(self._record(a, p, self._prev_end, end))
                 self.index += 1
                 self._irregular = 0
             else:
                 m = max(1, round(gap / P))
                 self.index += m
                 self.skipped += m
-                self._irregular += 1
+                self._irregular += gap > P * (1 + self.tolerance)
+            self._prev_end = end
             self._last_anchor = g_abs
         if self._irregular >= 5 or self._n_since_anchor() > self.relock_after * P + k:
             self.state = "relocking"
@@ -545,19 +590,28 @@ class IterationEstimator:
             self._irregular = 0
         return out
 
-    def _record(self, a: int, b: int) -> IterationRecord:
-        start, stop = int(self._start[a]), int(self._start[b])
+    def _period_end(self, b: int) -> int | None:
+        """When the iteration before anchor position b finished: the last end
+        among the period's calls before it. The host's last wait of an
+        iteration (the final bucket's all-reduce, a sync) ends right before
+        the optimizer step, so this boundary sits next to the trainer's own,
+        where the anchor (often mid-backward) does not. None when that
+        period is not in the buffer."""
+        lo = b - self.period
+        return int(self._end[lo:b].max()) if lo >= 0 else None
+
+    def _record(self, a: int, b: int, start: int, stop: int) -> IterationRecord:
         sel = self._block[a:b]
-        comm = int(_kernels.union_ns(np.minimum(self._start[a:b][sel], stop),
-                                     np.minimum(self._end[a:b][sel], stop)))
-        dur = stop - start
-        comm = min(comm, dur)
+        s_ = np.clip(self._start[a:b][sel], start, stop)
+        e_ = np.clip(self._end[a:b][sel], start, stop)
+        dur = max(stop - start, 1)
+        comm = min(int(_kernels.union_ns(s_, e_)), dur)
         return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm)
 
     def _trim(self) -> None:
         keep_from = len(self._types) - self.window
         if self._last_anchor is not None:
-            keep_from = min(keep_from, self._last_anchor - self._offset)
+            keep_from = min(keep_from, self._last_anchor - self._offset - (self.period or 0))
         keep_from = min(keep_from, self._scanned - self._offset - self.anchor_k)
         if keep_from > 0:
             for name in ("_types", "_start", "_end", "_block", "_gap"):

@@ -1,0 +1,61 @@
+"""Unpruned pure-NumPy BOCD (Adams & MacKay 2007), the reference that the
+Numba engine is checked against (tests/test_engine.py) and raced
+(scripts/bench_engine). Same model and parametrisation: Normal-Gamma prior,
+constant hazard, run length = observations in the current segment
+including the newest. Every run length is kept: O(t) per update.
+"""
+import numpy as np
+from scipy.special import gammaln
+
+
+def student_t_logpdf(x, nu, loc, scale2):
+    z = (x - loc) ** 2 / (nu * scale2)
+    return (gammaln((nu + 1) / 2) - gammaln(nu / 2) - 0.5 * np.log(nu * np.pi * scale2)
+            - (nu + 1) / 2 * np.log1p(z))
+
+
+class ReferenceBOCD:
+    def __init__(self, hazard, mu0, kappa0, alpha0, beta0):
+        self.h, self.mu0, self.kappa0, self.alpha0, self.beta0 = hazard, mu0, kappa0, alpha0, beta0
+        self.logp = np.empty(0)
+        self.mu = np.empty(0)
+        self.kappa = np.empty(0)
+        self.alpha = np.empty(0)
+        self.beta = np.empty(0)
+
+    def update(self, x):
+        lp0 = student_t_logpdf(x, 2 * self.alpha0, self.mu0,
+                               self.beta0 * (self.kappa0 + 1) / (self.alpha0 * self.kappa0))
+        lp = student_t_logpdf(x, 2 * self.alpha, self.mu,
+                              self.beta * (self.kappa + 1) / (self.alpha * self.kappa))
+        grow = self.logp + lp + np.log1p(-self.h)
+        new = np.log(self.h) + lp0
+        logp = np.concatenate([[new], grow])
+        logp -= np.logaddexp.reduce(logp)
+        mu = np.concatenate([[self.mu0], self.mu])
+        kappa = np.concatenate([[self.kappa0], self.kappa])
+        alpha = np.concatenate([[self.alpha0], self.alpha])
+        beta = np.concatenate([[self.beta0], self.beta])
+        self.beta = beta + kappa * (x - mu) ** 2 / (2 * (kappa + 1))
+        self.mu = (kappa * mu + x) / (kappa + 1)
+        self.kappa = kappa + 1
+        self.alpha = alpha + 0.5
+        self.logp = logp
+        return int(np.argmax(logp)) + 1      # MAP run length
+
+    @property
+    def probabilities(self):
+        return np.exp(self.logp)             # index i: run length i + 1
+
+
+def reference_changepoints(x, hazard, mu0, kappa0, alpha0, beta0):
+    b = ReferenceBOCD(hazard, mu0, kappa0, alpha0, beta0)
+    maprl = np.array([b.update(v) for v in x])
+    cps, t = [], len(maprl) - 1
+    while t >= 0:
+        start = t - int(maprl[t]) + 1
+        if start <= 0:
+            break
+        cps.append(start)
+        t = start - 1
+    return sorted(cps)

@@ -1,0 +1,224 @@
+"""The streaming engine on seeded synthetic data with known truth: ACF
+against statsmodels, BOCD against the unpruned reference, pinned detection
+indices, the detection goals, and iteration estimation over periods,
+noise and pattern changes."""
+import math
+
+import numpy as np
+import pytest
+
+from bocd_reference import ReferenceBOCD, reference_changepoints
+from greyhound_bpf import _kernels
+from greyhound_bpf.datasets import call_stream, iteration_series, precision_recall
+from greyhound_bpf.engine import (BOCD, IterationEstimator, IterationRecord, PatternChange,
+                                  SlowdownDetector, changepoints, default_prior)
+
+
+# -- ACF ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,nlags,seed", [(50, 10, 0), (1000, 200, 1), (4096, 500, 2)])
+def test_acf_matches_statsmodels(n, nlags, seed):
+    from statsmodels.tsa.stattools import acf as sm_acf
+    rng = np.random.default_rng(seed)
+    x = np.sin(np.arange(n) * 2 * np.pi / 17) + rng.normal(size=n)
+    ours = _kernels.acf(x, nlags)
+    ref = sm_acf(x, nlags=nlags, adjusted=False, fft=False)
+    assert np.max(np.abs(ours - ref)) <= 1e-9
+
+
+def test_categorical_acf_is_the_one_hot_acf():
+    rng = np.random.default_rng(3)
+    tokens = np.tile(rng.integers(0, 5, size=13), 40)
+    tokens[rng.random(len(tokens)) < 0.05] = 4
+    onehot = np.eye(5)[tokens]
+    d = onehot - onehot.mean(axis=0)
+    c0 = (d * d).sum()
+    ref = np.array([(d[:len(d) - k] * d[k:]).sum() / c0 for k in range(61)])
+    assert np.max(np.abs(_kernels.categorical_acf(tokens, 5, 60) - ref)) <= 1e-9
+    assert np.argmax(_kernels.categorical_acf(tokens, 5, 60)[1:]) + 1 == 13
+
+
+# -- BOCD -----------------------------------------------------------------------
+
+SERIES = [(seed, cv) for seed in range(6) for cv in (0.02, 0.05, 0.1)]
+
+
+@pytest.mark.parametrize("seed,cv", SERIES)
+def test_changepoints_match_the_unpruned_reference(seed, cv):
+    x, _ = iteration_series(500, changes=((120, 1.3), (260, 0.9), (380, 1.5)), cv=cv, seed=seed)
+    p = default_prior(x)
+    assert changepoints(x, hazard=0.01, **p) == reference_changepoints(x, 0.01, **p)
+
+
+def test_bocd_posterior_matches_reference_step_by_step():
+    x, _ = iteration_series(120, changes=((60, 1.4),), cv=0.05, seed=4)
+    p = default_prior(x)
+    ours, ref = BOCD(hazard=0.01, prune=1e-300, max_runs=500, **p), ReferenceBOCD(0.01, **p)
+    for v in x:
+        s = ours.update(v)
+        r = ref.update(v)
+        assert s.map_run_length == r
+        probs = np.zeros(s.t)
+        probs[ours.run_lengths - 1] = ours.probabilities
+        assert np.allclose(probs, ref.probabilities, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed,want", [(0, [100, 200]), (1, [100, 202]), (2, [100, 200])])
+def test_changepoints_pinned(seed, want):
+    x, truth = iteration_series(300, changes=((100, 1.25), (200, 1.0)), cv=0.05, seed=seed)
+    assert changepoints(x) == want
+    assert precision_recall(truth, want, margin=3) == (1.0, 1.0, 1.0)
+
+
+def test_changepoints_api():
+    assert changepoints([]) == []
+    assert changepoints([5.0]) == []
+    assert changepoints(np.ones(50)) == []
+    with pytest.raises(ValueError):
+        changepoints([1.0, float("nan")])
+    with pytest.raises(ValueError):
+        changepoints(np.ones((3, 3)))
+    with pytest.raises(ValueError):
+        changepoints([1.0, 2.0], hazard=2.0)
+
+
+def test_bocd_state_and_reset():
+    b = BOCD(hazard=0.1, mu0=0.0)
+    for v in (0.1, -0.2, 0.05):
+        s = b.update(v)
+    assert s.t == 3 == b.t and s.segment_start == 3 - s.map_run_length
+    assert abs(b.probabilities.sum() - 1) < 1e-9
+    rl = b.run_lengths
+    rl[:] = 99                                  # a copy: the state is read-only
+    assert 99 not in b.run_lengths
+    b.reset()
+    assert b.t == 0 and len(b.run_lengths) == 0
+    with pytest.raises(ValueError):
+        b.update(float("inf"))
+
+
+def test_precision_recall_with_margin():
+    assert precision_recall([100, 200], [102, 250], margin=5) == (0.5, 0.5, 0.5)
+    assert precision_recall([100], [], margin=5) == (1.0, 0.0, 0.0)
+
+
+# -- slowdown detection ------------------------------------------------------------
+
+def detect(x, **kw):
+    d = SlowdownDetector(**kw)
+    return [(cp.kind, cp.index, cp.detected_at) for cp in (d.update(v) for v in x) if cp]
+
+
+@pytest.mark.parametrize("cv,factor,seed,want", [
+    (0.02, 1.2, 0, [("slowdown", 200, 202)]),
+    (0.05, 1.2, 0, [("slowdown", 200, 202)]),
+    (0.05, 1.5, 1, [("slowdown", 200, 202)]),
+    (0.05, 0.7, 2, [("recovery", 200, 202)]),
+])
+def test_detection_pinned(cv, factor, seed, want):
+    x, _ = iteration_series(400, changes=((200, factor),), cv=cv, seed=seed)
+    assert detect(x) == want
+
+
+def test_delay_goal_for_a_20_percent_slowdown():
+    delays = []
+    for seed in range(15):
+        x, _ = iteration_series(300, changes=((150, 1.2),), cv=0.05, seed=seed)
+        ev = detect(x)
+        assert [k for k, _, _ in ev] == ["slowdown"], (seed, ev)
+        assert abs(ev[0][1] - 150) <= 2
+        delays.append(ev[0][2] - 150)
+    assert np.median(delays) <= 3
+
+
+def test_no_false_alarm_on_healthy_noise_with_gc_spikes():
+    x, _ = iteration_series(3000, cv=0.05, spike_prob=0.01, spike_factor=3.0, seed=11)
+    assert detect(x) == []
+
+
+def test_recovery_is_never_a_slowdown():
+    x, _ = iteration_series(600, changes=((200, 1.3), (400, 1.0)), cv=0.05, seed=5)
+    assert [k for k, _, _ in detect(x)] == ["slowdown", "recovery"]
+    x, _ = iteration_series(400, changes=((200, 0.8),), cv=0.05, seed=6)   # a speed-up
+    assert [k for k, _, _ in detect(x)] == ["recovery"]
+
+
+def test_detector_validates():
+    with pytest.raises(ValueError):
+        SlowdownDetector(threshold=0)
+    with pytest.raises(ValueError):
+        SlowdownDetector().update(-1.0)
+
+
+# -- iteration estimation ----------------------------------------------------------
+
+def estimate(cs, batch=1000, **kw):
+    est = IterationEstimator(**kw)
+    out = []
+    for i in range(0, len(cs.types), batch):
+        out += est.feed(cs.types[i:i + batch], cs.start_ns[i:i + batch], cs.dur_ns[i:i + batch],
+                        cs.blocking[i:i + batch])
+    return est, [o for o in out if isinstance(o, IterationRecord)], \
+        [o for o in out if isinstance(o, PatternChange)]
+
+
+def median_error(cs, recs):
+    ends = cs.iter_start_ns + cs.iter_dur_ns
+    errs = []
+    for r in recs:
+        i = int(np.argmin(np.abs(ends - (r.start_ns + r.dur_ns))))
+        errs.append(abs(r.dur_ns - cs.iter_dur_ns[i]) / cs.iter_dur_ns[i])
+    return float(np.median(errs))
+
+
+@pytest.mark.parametrize("period", [2, 5, 20, 100, 500])
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_period_and_iteration_time(period, noise):
+    cs = call_stream(period, n_iter=max(60, 6000 // period), noise=noise, seed=period)
+    est, recs, pcs = estimate(cs)
+    assert [p.reason for p in pcs] == ["locked"]
+    assert abs(est.period - period) <= max(1, 0.02 * period)
+    assert len(recs) >= 0.75 * len(cs.iter_dur_ns)
+    assert median_error(cs, recs) <= 0.01
+    assert all(0 <= r.comm_ns <= r.dur_ns and r.comm_ns + r.compute_ns == r.dur_ns for r in recs)
+
+
+def test_warming_up_reports_nothing():
+    cs = call_stream(50, n_iter=2, seed=1)
+    est, recs, pcs = estimate(cs)
+    assert est.state == "warming_up" and recs == [] and pcs == []
+
+
+def test_interleaved_communicators_and_eval_steps():
+    cs = call_stream(30, n_iter=300, n_comms=4, noise=0.02, eval_every=10, seed=7)
+    est, recs, pcs = estimate(cs)
+    assert est.period == 30 and len(pcs) == 1
+    # Evaluation iterations are irregular and left out, not reported as slow.
+    assert max(r.dur_ns for r in recs) < 1.2 * np.median([r.dur_ns for r in recs])
+
+
+def test_new_pattern_after_a_restart_is_reported():
+    cs = call_stream(30, n_iter=300, restart_at=150, seed=8)
+    est, recs, pcs = estimate(cs)
+    assert [p.reason for p in pcs] == ["locked", "changed"]
+    assert pcs[1].previous == 30 and pcs[1].period_calls == 30
+    late = [r for r in recs if r.start_ns > cs.iter_start_ns[160]]
+    assert len(late) > 100 and median_error(cs, late) <= 0.01
+
+
+def test_results_do_not_depend_on_batch_size():
+    cs = call_stream(20, n_iter=300, noise=0.02, seed=9)
+    _, a, _ = estimate(cs, batch=1000)
+    _, b, _ = estimate(cs, batch=137)
+    assert a == b
+
+
+def test_estimator_rejects_bad_input():
+    est = IterationEstimator()
+    with pytest.raises(ValueError):
+        est.feed([1, 2], [0, 1], [1])
+    with pytest.raises(ValueError):
+        est.feed([-1], [0], [1])
+    with pytest.raises(ValueError):
+        IterationEstimator(window=100, max_period=500)
+    assert math.isfinite(0.0)
