@@ -648,3 +648,19 @@ def _otsu_threshold(gaps: np.ndarray) -> int | None:
     if between[i] <= 0:
         return None
     return int(math.exp(edges[i + 1]))
+
+
+def warm_up() -> float:
+    """Compile (or load from the on-disk cache) every Numba kernel on tiny
+    inputs; returns the seconds it took. scripts/setup runs it once, so the
+    first `attach` does not compile on the CPUs the job is using."""
+    import time
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    _kernels.acf(rng.normal(size=16), 4)
+    changepoints(rng.normal(size=32))
+    est = IterationEstimator(window=64, max_period=16, min_calls=8)
+    pattern = np.tile(np.arange(4), 16)
+    est.feed(pattern, np.arange(64) * 1000, np.full(64, 10))
+    SlowdownDetector(warmup=3)
+    return time.perf_counter() - t0

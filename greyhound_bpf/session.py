@@ -142,6 +142,8 @@ class AttachSession:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.monotonic()
         try:
+            from .engine import warm_up
+            warm_up()          # from the Numba cache; compiles only on a cold one
             self.tracer.load()
             new, _, _ = self._initial_scan
             self._attach_targets(new, first=True)

@@ -5,7 +5,8 @@ A 2-rank DDP job (scripts/demo_train.py) under torchrun, traced by
 `greyhound-trace attach --json --calls`. After --slow-after iterations,
 rank 1 gets half a CPU through a cgroup CPU quota (greyhound_bpf.inject);
 the job runs --steps iterations in all. The trainer's own per-iteration log
-is saved beside the trace as the ground truth.
+is saved beside the trace as the ground truth (OUT.truth.jsonl), and the
+moment of the injection as OUT.inject.json.
 
     sudo .venv/bin/python scripts/record_fixture.py --out tests/fixtures/gloo_ddp_2rank
 """
@@ -69,6 +70,8 @@ def main() -> int:
         while not truth.exists() or sum(1 for _ in truth.open()) < 2 * args.slow_after:
             time.sleep(0.05)
         with CpuQuota(rank1, args.quota):
+            Path(f"{out}.inject.json").write_text(json.dumps(
+                {"rank": 1, "pid": rank1, "quota": args.quota, "at_ns": time.time_ns()}) + "\n")
             print(f"record_fixture: rank 1 (pid {rank1}) limited to {args.quota} CPU",
                   file=sys.stderr)
             job.wait(timeout=600)

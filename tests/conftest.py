@@ -121,10 +121,20 @@ class Tracer:
         cmd = [*GREYHOUND, "attach", *map(str, pids), "--json", str(self.json), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=ROOT)
+        self._events: list[dict] = []
+        self._pos = 0
 
     def events(self, kind: str | None = None) -> list[dict]:
-        evs = read_events(self.json)
-        return [e for e in evs if kind is None or e["kind"] == kind]
+        # Read only what was appended since the last call: tests poll this,
+        # and re-parsing a growing file would load the CPU the job runs on.
+        if self.json.exists():
+            with open(self.json) as fh:
+                fh.seek(self._pos)
+                chunk = fh.read()
+            done = chunk.rfind("\n") + 1
+            self._pos += len(chunk[:done].encode())
+            self._events += [json.loads(line) for line in chunk[:done].splitlines() if line]
+        return [e for e in self._events if kind is None or e["kind"] == kind]
 
     def attached_ranks(self) -> list[dict]:
         return [r for e in self.events("attach") for r in e["ranks"]]

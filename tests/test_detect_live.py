@@ -1,0 +1,65 @@
+"""Live: attach to a real gloo DDP job, slow one rank down for real with a
+cgroup CPU quota, and check that `attach` reports the slowdown soon after
+the injection and never before it. Then lift the quota: a recovery."""
+import time
+
+import pytest
+
+from conftest import wait_for
+from greyhound_bpf.inject import CpuQuota, leftover_groups
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+
+def iterations(t, rank):
+    return [e for e in t.events("iteration") if e["rank"] == rank]
+
+
+def test_cpu_quota_is_undone_without_leftovers(ddp_job):
+    job = ddp_job(2, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
+    rank1 = next(p for p in _ranks(job.proc.pid) if p[1] == 1)[0]
+    before = leftover_groups()
+    q = CpuQuota(rank1, 0.5).apply()
+    assert (q.group / "cpu.cfs_quota_us").read_text().strip() == "1000"
+    assert str(rank1) in (q.group / "tasks").read_text().split()
+    q.undo()
+    assert leftover_groups() == before
+    assert f"/{q.group.name}" not in open(f"/proc/{rank1}/cgroup").read()
+
+
+def test_slowdown_detected_after_injection_and_recovery_after_lifting(ddp_job, tracer):
+    # A data-loader wait per step leaves the 2-core VM some headroom, so the
+    # healthy phase is not slowed by whatever else runs (the tracer itself).
+    job = ddp_job(2, 0, "--idle-ms", "10", go=False)
+    wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
+    t = tracer([job.proc.pid], "-q")
+    ranks = t.wait_attached(2)
+    rank1 = next(r["pid"] for r in ranks if r["rank"] == 1)
+    # Healthy phase: the engine locks the pattern and learns the noise.
+    wait_for(lambda: len(iterations(t, 0)) >= 60, 120, "60 healthy iterations", interval=0.5)
+    assert not t.events("slowdown"), t.events("slowdown")
+    with CpuQuota(rank1, 0.5):
+        inject_ns = time.time_ns()
+        slow = wait_for(lambda: [e for e in t.events("slowdown") if e["scope"] == "job"], 90,
+                        "a job-level slowdown", interval=0.5)[0]
+        lifted_at = len(iterations(t, 0))
+    rec = wait_for(lambda: [e for e in t.events("recovery")
+                            if e["scope"] == "job" and e["index"] >= slow["index"]], 90,
+                   "a recovery after the quota is lifted", interval=0.5)[0]
+    assert t.stop() == 0
+    its = {e["index"]: e for e in iterations(t, 0)}
+    # Nothing before the injection; found within 15 iterations of it.
+    before = [e for e in t.events("slowdown") if e["time_ns"] < inject_ns]
+    assert before == []
+    assert its[slow["index"]]["start_ns"] > inject_ns - 2 * its[slow["index"]]["dur_ns"]
+    first_slow = min(i for i, e in its.items() if e["start_ns"] + e["dur_ns"] > inject_ns)
+    assert slow["detected_index"] - first_slow <= 15
+    assert slow["ratio"] > 1.3 and rec["ratio"] < 1 / 1.3
+    assert rec["index"] >= lifted_at - 15
+    assert "SLOWDOWN job" in t.output() and "RECOVERY job" in t.output()
+
+
+def _ranks(pid):
+    from greyhound_bpf.discovery import all_stats, descendants, rank_identity
+    return [(p, rank_identity(p)[0]) for p in descendants([pid], all_stats()) if p != pid]
