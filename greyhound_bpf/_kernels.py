@@ -303,3 +303,34 @@ def union_ns(starts, ends):
             cur_e = ends[i]
     total += cur_e - cur_s
     return total
+
+
+@njit(cache=True)
+def level_shift(old, new, floor_scale, min_z, limit):
+    """Compare a new segment of log iteration times with the old level.
+
+    Returns (kind, m_old, m_new): kind 1 for slower, -1 for faster, 0 for
+    no reportable change. See SlowdownDetector for the rule: the clipped
+    mean of the new values must be min_z standard errors from the old
+    median, and the median shift's one-standard-error bound must reach
+    `limit` (log of 1 + threshold).
+    """
+    m_old = np.median(old)
+    m_new = np.median(new)
+    scale = 1.4826 * np.median(np.abs(old - m_old))
+    if scale < floor_scale:
+        scale = floor_scale
+    if scale < 1e-3:
+        scale = 1e-3
+    n_new, n_old = new.shape[0], old.shape[0]
+    se = 1.25 * scale * math.sqrt(1.0 / n_new + 1.0 / n_old)
+    lo, hi = m_old - 3.0 * scale, m_old + 3.0 * scale
+    acc = 0.0
+    for v in new:
+        acc += min(max(v, lo), hi)
+    z = (acc / n_new - m_old) / (scale * math.sqrt(1.0 / n_new + 1.5625 / n_old))
+    if z >= min_z and m_new - m_old + se >= limit:
+        return 1, m_old, m_new
+    if z <= -min_z and m_new - m_old - se <= -limit:
+        return -1, m_old, m_new
+    return 0, m_old, m_new

@@ -175,12 +175,18 @@ class Discovery:
     ``libraries_seen``, so attaching to it waits for its ranks.
     """
 
+    # Every how many scans a known target's maps are read again for a library
+    # it loaded late: a torch rank's maps run to thousands of lines, and the
+    # job shares the CPUs with us.
+    RECHECK_EVERY = 10
+
     def __init__(self, roots: list[int], catalog: Catalog):
         self.roots = list(roots)
         self.catalog = catalog
         self.targets: dict[int, Target] = {}
         self.libraries_seen = False
         self.tree: list[int] = []
+        self._scans = 0
 
     def roots_alive(self) -> bool:
         return any(pid_alive(p) for p in self.roots)
@@ -195,16 +201,21 @@ class Discovery:
         for t in exited:
             del self.targets[t.pid]
         new, grown = [], []
+        self._scans += 1
+        recheck = self._scans % self.RECHECK_EVERY == 0
         for pid in self.tree:
             if pid == os.getpid():
                 continue
-            libs = mapped_libraries(pid, self.catalog)
             if pid in self.targets:
+                if not recheck:
+                    continue
                 t = self.targets[pid]
+                libs = mapped_libraries(pid, self.catalog)
                 if set(libs) - set(t.libraries):
                     t.libraries.update(libs)
                     grown.append(t)
                 continue
+            libs = mapped_libraries(pid, self.catalog)
             if not libs:
                 continue
             self.libraries_seen = True

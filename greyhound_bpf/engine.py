@@ -228,32 +228,35 @@ class SlowdownDetector:
         self.reset()
 
     def reset(self) -> None:
-        self._raw: list[float] = []
-        self._logs: list[float] = []
-        self._base = 0                  # index of _raw[0]
+        self._logs = np.empty(self.MAX_KEPT)   # log iteration times, _len of them kept
+        self._len = 0
+        self._base = 0                  # iteration index of _logs[0]
         self._bocd: BOCD | None = None
         self._accepted_start = 0        # start of the segment the detector believes in
+        self._diff_scale = 0.0          # noise scale from recent first differences
+        self._diff_scale_at = -1
         self.state = "warming_up"       # warming_up, ok, slow
 
     @property
     def n(self) -> int:
-        return self._base + len(self._raw)
+        return self._base + self._len
 
     def update(self, x: float) -> ChangePoint | None:
         x = float(x)
         if not (x > 0 and math.isfinite(x)):
             raise ValueError(f"iteration time must be positive and finite, not {x}")
-        self._raw.append(x)
-        self._logs.append(math.log(x))
+        if self._len == self.MAX_KEPT:
+            keep = self.MAX_KEPT // 2
+            self._logs[:keep] = self._logs[self._len - keep:self._len]
+            self._base += self._len - keep
+            self._len = keep
+        self._logs[self._len] = math.log(x)
+        self._len += 1
         t = self.n - 1
-        if len(self._raw) > self.MAX_KEPT:
-            drop = len(self._raw) - self.MAX_KEPT // 2
-            del self._raw[:drop], self._logs[:drop]
-            self._base += drop
         if self._bocd is None:
             if self.n < self.warmup:
                 return None
-            base = np.array(self._logs)
+            base = self._logs[:self._len].copy()
             p = default_prior(base)
             self._bocd = BOCD(hazard=self.hazard, mu0=p["mu0"], kappa0=0.05, alpha0=2.0,
                               beta0=2.0 * max(p["beta0"], 1e-6))
@@ -280,29 +283,21 @@ class SlowdownDetector:
         old_lo = max(self._accepted_start, start - self.history, self._base)
         if start - old_lo < max(self.min_segment, self.warmup):
             return None     # too little of the old level to compare against
-        old = np.array(self._logs[old_lo - self._base:start - self._base])
-        new = np.array(self._logs[start - self._base:t + 1 - self._base])
-        m_old, m_new = float(np.median(old)), float(np.median(new))
-        # Noise scale: the old segment's MAD, but never below the scale of the
-        # recent first differences (robust to level shifts): 50 samples
-        # can underestimate it by a third, and z would then be inflated.
-        recent = np.diff(np.array(self._logs[-self.SCALE_WINDOW:]))
-        diff_scale = 1.4826 * float(np.median(np.abs(recent))) / math.sqrt(2) if len(recent) else 0
-        scale = max(1.4826 * float(np.median(np.abs(old - m_old))), diff_scale, 1e-3)
-        se = 1.25 * scale * math.sqrt(1 / len(new) + 1 / len(old))   # s.e. of a median difference
-        # Significance from the mean of the new values clipped to 3 scales of
-        # the old level: efficient when the new segment is only a few
-        # iterations long (a median of 3 is decided by 2 unlucky values),
-        # and a single spike cannot carry it.
-        clipped = np.clip(new, m_old - 3 * scale, m_old + 3 * scale)
-        z = (float(clipped.mean()) - m_old) / (scale * math.sqrt(1 / len(new) + 1.5625 / len(old)))
-        limit = math.log1p(self.threshold)
-        if z >= self.min_z and m_new - m_old + se >= limit:
-            kind = "slowdown"
-        elif z <= -self.min_z and m_new - m_old - se <= -limit:
-            kind = "recovery"
-        else:
+        old = self._logs[old_lo - self._base:start - self._base]
+        new = self._logs[start - self._base:t + 1 - self._base]
+        # Noise floor: the recent first differences (robust to level
+        # shifts); 50 samples of the old level can underestimate the noise by
+        # a third, and z would then be inflated. Refreshed every 25
+        # iterations: it moves slowly and costs a median of 500.
+        if self._diff_scale_at < 0 or t - self._diff_scale_at >= 25:
+            recent = np.diff(self._logs[max(0, self._len - self.SCALE_WINDOW):self._len])
+            self._diff_scale = 1.4826 * float(np.median(np.abs(recent))) / math.sqrt(2)
+            self._diff_scale_at = t
+        code, m_old, m_new = _kernels.level_shift(old, new, self._diff_scale, self.min_z,
+                                                   math.log1p(self.threshold))
+        if code == 0:
             return None
+        kind = "slowdown" if code > 0 else "recovery"
         self._accepted_start = start
         self.state = "slow" if kind == "slowdown" else "ok"
         return ChangePoint(kind, self.scope, start, t, math.exp(m_old), math.exp(m_new),
@@ -310,7 +305,7 @@ class SlowdownDetector:
 
     def _filtered(self, i: int) -> float:
         j = i - self._base
-        w = sorted(self._logs[max(0, j - 2):j + 1])
+        w = sorted(self._logs[max(0, j - 2):j + 1].tolist())
         return w[len(w) // 2]
 
 
@@ -662,5 +657,8 @@ def warm_up() -> float:
     est = IterationEstimator(window=64, max_period=16, min_calls=8)
     pattern = np.tile(np.arange(4), 16)
     est.feed(pattern, np.arange(64) * 1000, np.full(64, 10))
-    SlowdownDetector(warmup=3)
+    _kernels.level_shift(rng.normal(size=8), rng.normal(size=3), 0.1, 4.5, 0.1)
+    b = BOCD()
+    b.update(0.5)
+    b.probability_run_at_most(1)
     return time.perf_counter() - t0
