@@ -7,6 +7,7 @@ stable for one loaded catalog, not across versions: events carry names.
 from __future__ import annotations
 
 import fnmatch
+import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -90,8 +91,15 @@ class Catalog:
         self.families = {f.name: f for f in families}
         self.functions: list[FunctionSpec] = [fn for f in families for fn in f.functions]
         self.by_name = {fn.name: fn for fn in self.functions}
+        # One regex over every soname pattern: a torch rank maps thousands of
+        # files, and discovery reads its maps while the job runs.
+        self._any = re.compile("|".join(f"(?:{fnmatch.translate(p)})"
+                                        for f in families for p in f.sonames))
 
     def family_for(self, path: str) -> Family | None:
+        base = path.rsplit("/", 1)[-1]
+        if not self._any.match(base):
+            return None
         for fam in self.families.values():
             if fam.matches(path):
                 return fam

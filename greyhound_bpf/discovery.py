@@ -110,6 +110,8 @@ def mapped_libraries(pid: int, catalog: Catalog) -> dict[str, MappedLib]:
     except OSError:
         return found
     for line in lines:
+        if ".so" not in line:
+            continue
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue

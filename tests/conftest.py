@@ -65,6 +65,15 @@ def pytest_terminal_summary(terminalreporter):
 
 # -- helpers -----------------------------------------------------------------
 
+def run_cli(*args, user=None, timeout=120, env=None) -> subprocess.CompletedProcess:
+    """Run greyhound-trace; `user` runs it unprivileged (setpriv)."""
+    cmd = [*GREYHOUND, *args]
+    if user:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
 def read_events(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -7,15 +7,7 @@ import sys
 
 import pytest
 
-from conftest import GREYHOUND, ROOT
-
-
-def run(*args, user=None, timeout=60, env=None):
-    cmd = [*GREYHOUND, *args]
-    if user:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env)
+from conftest import run_cli as run
 
 
 def one_line_error(proc, code: int, needle: str) -> str:

@@ -5,16 +5,12 @@ import sys
 
 import pytest
 
-from conftest import GREYHOUND, ROOT, nccl_lib, wait_for
+from conftest import nccl_lib, run_cli
 from greyhound_bpf.check import FAIL, OK, Row, check_headers, exit_code, render
 
 
 def run(*args, user=None):
-    cmd = [*GREYHOUND, "check", *args]
-    if user:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"})
+    return run_cli("check", *args, user=user, env={"COLUMNS": "100", "PATH": "/usr/bin:/bin"})
 
 
 @pytest.mark.bpf
