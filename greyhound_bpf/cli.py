@@ -52,6 +52,13 @@ def _positive(text: str) -> float:
     return v
 
 
+def _probability(text: str) -> float:
+    v = _positive(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1: {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="greyhound-trace",
@@ -86,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     a.add_argument("--threshold", type=_positive, default=0.10, metavar="F",
                    help="report a slowdown when iterations get this much slower (default 0.10)")
-    a.add_argument("--min-probability", type=_positive, default=0.9, metavar="P",
+    a.add_argument("--min-probability", type=_probability, default=0.9, metavar="P",
                    help="change probability a slowdown needs (default 0.9)")
 
     r = sub.add_parser("replay", help="run the engine over a recorded trace",
@@ -100,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-iterations", action="store_true",
                    help="leave out `iteration` events (keep pattern/slowdown/recovery)")
     r.add_argument("--threshold", type=_positive, default=0.10, metavar="F")
-    r.add_argument("--min-probability", type=_positive, default=0.9, metavar="P")
+    r.add_argument("--min-probability", type=_probability, default=0.9, metavar="P")
 
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
                        description="Check every requirement of `attach` and print the fix\n"

@@ -73,6 +73,8 @@ def test_not_root():
     (["attach", "-5"], "not a PID"),
     (["attach", "1", "--duration", "0"], "must be positive"),
     (["attach"], "required: PID"),
+    (["replay", "x.jsonl", "--min-probability", "2"], "must be at most 1"),
+    (["attach", "1", "--threshold", "-0.1"], "must be positive"),
 ])
 def test_bad_arguments(args, needle):
     out = run(*args)
