@@ -1,0 +1,54 @@
+"""S2 micro-batch rebalancing: the cvxpy/HiGHS integer program against exact
+brute force on small cases, and its constraints."""
+import itertools
+
+import numpy as np
+import pytest
+
+from mitigation.rebalance import RebalanceError, even_split, solve
+
+
+def brute_force(t, total, caps=None):
+    w = len(t)
+    caps = caps or [total] * w
+    best = None
+    for counts in itertools.product(*(range(1, c + 1) for c in caps)):
+        if sum(counts) != total:
+            continue
+        m = max(c * x for c, x in zip(counts, t))
+        if best is None or m < best - 1e-12:
+            best = m
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    w = int(rng.integers(2, 5))
+    total = int(rng.integers(w, 13))
+    t = rng.uniform(0.5, 3.0, size=w).round(3)
+    caps = None if seed % 3 else [int(c) for c in rng.integers(1, total, size=w)]
+    if caps and sum(caps) < total:
+        caps[0] += total - sum(caps)
+    r = solve(t, total, caps)
+    assert sum(r.counts) == total and min(r.counts) >= 1
+    if caps:
+        assert all(c <= k for c, k in zip(r.counts, caps))
+    assert r.makespan == pytest.approx(brute_force(list(t), total, caps), rel=1e-9)
+
+
+def test_slow_rank_gets_fewer_microbatches():
+    # 4 ranks, 32 micro-batches, rank 2 twice as slow: even split takes 16 units.
+    r = solve([1.0, 1.0, 2.0, 1.0], 32)
+    assert r.counts[2] < 8 and r.even_makespan == 16.0
+    assert r.makespan == pytest.approx(10.0) and r.speedup == pytest.approx(1.6)
+
+
+def test_bad_input():
+    with pytest.raises(RebalanceError):
+        solve([1.0, 0.0], 4)
+    with pytest.raises(RebalanceError):
+        solve([1.0, 1.0, 1.0], 2)
+    with pytest.raises(RebalanceError):
+        solve([1.0, 1.0], 10, caps=[3, 3])
+    assert even_split(10, 4) == [3, 3, 2, 2]
