@@ -1,0 +1,232 @@
+"""The control file: how greyhound-trace tells a training script what to do.
+
+One JSON document (shared/DESIGN.md, "Control file"), written atomically by
+the tool (``ControlWriter``) and read by the trainer (``ControlFile``):
+
+    ctl = ControlFile(path, rank=rank, dp_rank=dp_rank)
+    for step in ...:
+        plan = ctl.poll()        # None, or a new validated Plan (one stat() when unchanged)
+        if plan:
+            n_micro = plan.microbatches_for(dp_rank, default=n_micro)
+            ctl.ack(plan)
+        scale = loss_scale(world, total_microbatches)   # loss *= scale per micro-batch
+
+A malformed file, an unknown version or a half-written file is rejected with
+one warning and the last good plan stays in force.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+STRATEGIES = ("none", "rebalance_microbatches", "reconfigure_pipeline", "checkpoint_restart")
+log = logging.getLogger("greyhound.control")
+
+
+class PlanError(ValueError):
+    """The control file's content is not a valid plan."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    seq: int
+    strategy: str
+    issued_ns: int = 0
+    microbatches: dict[int, int] | None = None   # dp_rank -> count, summing to the global count
+    layer_split: list[int] | None = None         # layers per pipeline stage
+    restart: dict | None = None                  # {"checkpoint": true, "exclude": [ranks]}
+    reason: str = ""
+    v: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        d = {"v": self.v, "seq": self.seq, "issued_ns": self.issued_ns,
+             "strategy": self.strategy, "reason": self.reason}
+        if self.microbatches is not None:
+            d["microbatches"] = {str(k): v for k, v in sorted(self.microbatches.items())}
+        if self.layer_split is not None:
+            d["layer_split"] = list(self.layer_split)
+        if self.restart is not None:
+            d["restart"] = dict(self.restart)
+        return d
+
+    @classmethod
+    def from_dict(cls, d) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError("not a JSON object")
+        if d.get("v") != SCHEMA_VERSION:
+            raise PlanError(f"unknown version {d.get('v')!r} (this client reads {SCHEMA_VERSION})")
+        seq = d.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+            raise PlanError("seq must be a positive integer")
+        strategy = d.get("strategy")
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}")
+        mb = d.get("microbatches")
+        if mb is not None:
+            if not isinstance(mb, dict) or not mb:
+                raise PlanError("microbatches must be a non-empty object")
+            try:
+                mb = {int(k): v for k, v in mb.items()}
+            except ValueError:
+                raise PlanError("microbatches keys must be data-parallel ranks") from None
+            if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in mb.values()):
+                raise PlanError("every rank needs a whole number of micro-batches >= 1")
+            if sorted(mb) != list(range(len(mb))):
+                raise PlanError("microbatches must name data-parallel ranks 0..N-1")
+        if strategy == "rebalance_microbatches" and mb is None:
+            raise PlanError("rebalance_microbatches needs microbatches")
+        split = d.get("layer_split")
+        if split is not None and (not isinstance(split, list) or not split or any(
+                not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in split)):
+            raise PlanError("layer_split must list >= 1 layers per stage")
+        restart = d.get("restart")
+        if restart is not None and not isinstance(restart, dict):
+            raise PlanError("restart must be an object")
+        issued = d.get("issued_ns", 0)
+        if not isinstance(issued, int):
+            raise PlanError("issued_ns must be an integer")
+        return cls(seq, strategy, issued, mb, split, restart, str(d.get("reason", "")))
+
+    def microbatches_for(self, dp_rank: int, default: int) -> int:
+        if self.microbatches is None:
+            return default
+        return self.microbatches.get(dp_rank, default)
+
+    @property
+    def total_microbatches(self) -> int | None:
+        return sum(self.microbatches.values()) if self.microbatches else None
+
+
+def loss_scale(world: int, total_microbatches: int) -> float:
+    """Per-micro-batch loss scale that keeps the all-reduced gradient equal to
+    the gradient of the whole global batch, however the micro-batches are
+    split. DDP averages over `world` ranks; the global gradient is the mean
+    over all `total_microbatches` (of equal size), so each micro-batch's loss
+    is scaled by world / total instead of 1 / (this rank's count)."""
+    if world < 1 or total_microbatches < world:
+        raise ValueError("need world >= 1 and at least one micro-batch per rank")
+    return world / total_microbatches
+
+
+def _refuse_symlink(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise PlanError(f"{path} is a symbolic link; refusing to follow it")
+
+
+def atomic_write_json(path: Path, doc: dict, mode: int = 0o644) -> None:
+    """Write `doc` to `path` atomically: a temporary file in the same
+    directory, fsync, rename over the target, fsync the directory. A reader
+    sees the old document or the new one, never a mix."""
+    path = Path(path)
+    _refuse_symlink(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, separators=(",", ":"))
+            fh.write("\n")
+            fh.flush()
+            os.fchmod(fh.fileno(), mode)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class ControlWriter:
+    """The tool's side: issues plans with increasing seq, reads acks."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.parent.is_dir():
+            raise PlanError(f"no directory {self.path.parent} for the control file")
+        _refuse_symlink(self.path)
+        self.seq = 0
+        try:   # continue numbering after a restart of the tool
+            self.seq = int(json.loads(self.path.read_text()).get("seq", 0))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def issue(self, strategy: str, *, microbatches: dict[int, int] | None = None,
+              layer_split: list[int] | None = None, restart: dict | None = None,
+              reason: str = "") -> Plan:
+        plan = Plan(self.seq + 1, strategy, time.time_ns(), microbatches, layer_split,
+                    restart, reason)
+        Plan.from_dict(plan.to_dict())          # never write what a trainer would reject
+        atomic_write_json(self.path, plan.to_dict())
+        self.seq = plan.seq
+        return plan
+
+    def acks(self) -> dict[int, int]:
+        """rank -> the last seq it applied."""
+        out = {}
+        for p in self.path.parent.glob(f"{self.path.name}.ack.*"):
+            try:
+                d = json.loads(p.read_text())
+                out[int(d["rank"])] = int(d["seq"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+
+@dataclass
+class ControlFile:
+    """The trainer's side. ``poll()`` costs one stat() when nothing changed."""
+    path: str | os.PathLike
+    rank: int = 0
+    dp_rank: int | None = None
+    plan: Plan | None = None                     # the last good plan, in force
+    rejected: int = 0                            # documents rejected so far
+    _sig: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.path = Path(self.path)
+
+    def poll(self) -> Plan | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if sig == self._sig:
+            return None
+        self._sig = sig
+        try:
+            with open(self.path) as fh:
+                text = fh.read()
+            plan = Plan.from_dict(json.loads(text))
+        except (OSError, ValueError) as e:
+            # json.JSONDecodeError and PlanError are ValueErrors; a file being
+            # written by a non-atomic writer lands here too.
+            self.rejected += 1
+            log.warning("greyhound control file %s rejected (%s); keeping plan seq %s",
+                        self.path, e, self.plan.seq if self.plan else None)
+            return None
+        if self.plan is not None and plan.seq <= self.plan.seq:
+            return None
+        self.plan = plan
+        return plan
+
+    def ack(self, plan: Plan) -> None:
+        atomic_write_json(Path(f"{self.path}.ack.{self.rank}"),
+                          {"v": SCHEMA_VERSION, "seq": plan.seq, "rank": self.rank,
+                           "dp_rank": self.dp_rank, "applied_ns": time.time_ns()})

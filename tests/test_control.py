@@ -1,0 +1,102 @@
+"""The control-file protocol: atomic writes, validation, the last good plan
+kept through malformed files, acks, and the loss scale that keeps the
+gradient of an uneven micro-batch split equal to the even split's."""
+import json
+import logging
+import os
+
+import pytest
+
+from mitigation.control import (ControlFile, ControlWriter, Plan, PlanError, atomic_write_json,
+                                loss_scale)
+
+
+def test_issue_poll_ack_round_trip(tmp_path):
+    path = tmp_path / "control.json"
+    w = ControlWriter(path)
+    ctl = ControlFile(path, rank=1, dp_rank=1)
+    assert ctl.poll() is None                     # no file yet
+    p1 = w.issue("rebalance_microbatches", microbatches={0: 10, 1: 6, 2: 8, 3: 8},
+                 reason="rank 1 slow")
+    got = ctl.poll()
+    assert got == p1 and got.seq == 1 and got.microbatches_for(1, 8) == 6
+    assert got.total_microbatches == 32
+    assert ctl.poll() is None                     # unchanged: nothing new
+    ctl.ack(got)
+    assert w.acks() == {1: 1}
+    assert oct(os.stat(path).st_mode & 0o777) == "0o644"
+    p2 = w.issue("none", reason="recovered")
+    assert ctl.poll() == p2 and p2.seq == 2
+    # A restarted tool continues the numbering.
+    assert ControlWriter(path).issue("none").seq == 3
+
+
+@pytest.mark.parametrize("content,why", [
+    ("{not json", "Expecting property name"),
+    ('{"v": 2, "seq": 5, "strategy": "none"}', "unknown version 2"),
+    ('{"v": 1, "seq": 5, "strategy": "explode"}', "unknown strategy"),
+    ('{"v": 1, "seq": 5, "strategy": "rebalance_microbatches"}', "needs microbatches"),
+    ('{"v": 1, "seq": 5, "strategy": "rebalance_microbatches", "microbatches": {"0": 0}}',
+     ">= 1"),
+    ('{"v": 1, "seq": 0, "strategy": "none"}', "positive integer"),
+    ('{"v": 1, "seq": 5, "strategy": "rebalance_mi', "Unterminated string"),   # half-written
+])
+def test_bad_documents_keep_the_last_good_plan(tmp_path, caplog, content, why):
+    path = tmp_path / "control.json"
+    good = ControlWriter(path).issue("rebalance_microbatches", microbatches={0: 3, 1: 5})
+    ctl = ControlFile(path)
+    assert ctl.poll() == good
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="greyhound.control"):
+        assert ctl.poll() is None
+    assert ctl.plan == good and ctl.rejected == 1
+    assert why in caplog.text and "keeping plan seq 1" in caplog.text
+    with pytest.raises((PlanError, ValueError)):
+        Plan.from_dict(json.loads(content))
+
+
+def test_writer_refuses_symlinks(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("precious")
+    link = tmp_path / "control.json"
+    link.symlink_to(target)
+    with pytest.raises(PlanError, match="symbolic link"):
+        ControlWriter(link)
+    with pytest.raises(PlanError, match="symbolic link"):
+        atomic_write_json(link, {"x": 1})
+    assert target.read_text() == "precious"
+
+
+def test_loss_scale_keeps_the_global_gradient():
+    """4 data-parallel ranks, 32 micro-batches: the gradient DDP produces (sum
+    of scaled micro-batch gradients per rank, averaged over ranks) with an
+    uneven split equals the even split's within 1e-6."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(32)]
+    world = 4
+
+    def ddp_gradient(split):
+        assert sum(split) == len(data)
+        per_rank, i = [], 0
+        for n in split:
+            model.zero_grad()
+            for x, y in data[i:i + n]:
+                loss = torch.nn.functional.mse_loss(model(x), y) * loss_scale(world, len(data))
+                loss.backward()
+            i += n
+            per_rank.append([p.grad.clone() for p in model.parameters()])
+        return [sum(g[k] for g in per_rank) / world for k in range(len(per_rank[0]))]
+
+    even = ddp_gradient([8, 8, 8, 8])
+    uneven = ddp_gradient([11, 5, 9, 7])
+    for a, b in zip(even, uneven):
+        assert torch.allclose(a, b, atol=1e-6)
+    # And both equal the gradient of the global batch.
+    model.zero_grad()
+    sum(torch.nn.functional.mse_loss(model(x), y) for x, y in data).div(len(data)).backward()
+    for a, p in zip(even, model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6)
+    with pytest.raises(ValueError):
+        loss_scale(4, 3)
