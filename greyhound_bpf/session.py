@@ -27,10 +27,15 @@ from .summary import CallStats, safe
 from .tracer import DEFAULT_RINGBUF_PAGES, Tracer
 
 # How often the process tree is rescanned for new or exited ranks. Ranks that
-# start later are probed within this delay plus the attach time.
-SCAN_INTERVAL_S = 0.5
+# start later are probed within this delay plus the attach time; each scan
+# reads /proc/*/stat, CPU taken from the job on a busy node.
+SCAN_INTERVAL_S = 1.0
 # How often the in-kernel loss counter is read (a per-CPU map lookup).
-LOST_CHECK_S = 0.25
+LOST_CHECK_S = 0.5
+# Longest wait for records; the kernel also wakes us every N records.
+POLL_MS = 200
+# How often the JSON stream is flushed to its file.
+FLUSH_S = 0.5
 
 
 @dataclass
@@ -172,11 +177,12 @@ class AttachSession:
     def _loop(self, t0: float) -> None:
         next_scan = t0 + SCAN_INTERVAL_S
         next_lost = t0 + LOST_CHECK_S
+        next_flush = t0 + FLUSH_S
         next_summary = t0 + self.opts.interval if self.opts.interval else None
         summaries = 0
         deadline = t0 + self.opts.duration if self.opts.duration else None
         while self.stop_reason is None:
-            self._process(self.tracer.poll(100))
+            self._process(self.tracer.poll(POLL_MS))
             now = time.monotonic()
             if now >= next_lost:
                 self._report_lost()
@@ -193,8 +199,9 @@ class AttachSession:
                     self.stop_reason = "duration"
             if deadline and now >= deadline:
                 self.stop_reason = self.stop_reason or "duration"
-            if self.writer:
+            if self.writer and now >= next_flush:
                 self.writer.flush()
+                next_flush = now + FLUSH_S
 
     def _attach_targets(self, targets: list[Target], first: bool = False) -> None:
         attached = []
