@@ -21,6 +21,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,6 +40,9 @@ def parse_args(argv=None):
                    help="DDP bucket size: sets how many all-reduces a step issues")
     p.add_argument("--idle-ms", type=float, default=0.0,
                    help="per-step wait for input, as a data loader would (default 0)")
+    p.add_argument("--control-file",
+                   help="follow greyhound's plans in this file (mitigation.control): "
+                        "micro-batch counts per data-parallel rank, applied between steps")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -77,21 +82,39 @@ def main(argv=None) -> int:
         while not os.path.exists(args.go_file):
             time.sleep(0.02)
 
+    # The global batch is world x microbatches; a plan may split it unevenly.
+    total_mb = world * args.microbatches
+    my_mb = args.microbatches
+    ctl = None
+    if args.control_file:
+        from mitigation.control import ControlFile, loss_scale
+        ctl = ControlFile(args.control_file, rank=rank, dp_rank=rank)
     step = 0
     try:
         while args.steps == 0 or step < args.steps:
             if args.idle_ms:
                 time.sleep(args.idle_ms / 1000)
+            if ctl is not None:
+                plan = ctl.poll()         # one stat() when nothing changed
+                if plan is not None and plan.microbatches is not None:
+                    if plan.total_microbatches == total_mb and len(plan.microbatches) == world:
+                        my_mb = plan.microbatches_for(rank, my_mb)
+                        ctl.ack(plan)
+                # Same scale on every rank: the all-reduced gradient is the
+                # global batch's gradient whatever the split.
+                scale = loss_scale(world, total_mb)
+            else:
+                scale = 1.0 / my_mb
             t0 = time.time_ns()
             opt.zero_grad(set_to_none=True)
             total = 0.0
-            for mb in range(args.microbatches):
+            for mb in range(my_mb):
                 x = torch.randn(args.mb_size, 64, generator=gen)
                 y = x @ true_w
-                last = mb == args.microbatches - 1
+                last = mb == my_mb - 1
                 ctx = model.no_sync() if not last else _null()
                 with ctx:
-                    loss = nn.functional.mse_loss(model(x), y) / args.microbatches
+                    loss = nn.functional.mse_loss(model(x), y) * scale
                     loss.backward()
                 total += loss.item()
             opt.step()
@@ -99,7 +122,7 @@ def main(argv=None) -> int:
             if log:
                 log.write(json.dumps({"rank": rank, "index": step, "start_ns": t0,
                                       "dur_ns": t1 - t0, "allreduces": state["allreduces"],
-                                      "microbatches": args.microbatches, "loss": total}) + "\n")
+                                      "microbatches": my_mb, "loss": total}) + "\n")
             step += 1
     except KeyboardInterrupt:
         pass

@@ -100,3 +100,25 @@ def test_loss_scale_keeps_the_global_gradient():
         assert torch.allclose(a, p.grad, atol=1e-6)
     with pytest.raises(ValueError):
         loss_scale(4, 3)
+
+
+@pytest.mark.slow
+def test_demo_trainer_follows_a_plan(ddp_job, tmp_path):
+    """A real 2-rank gloo DDP job applies a rebalancing plan between steps,
+    acknowledges it, and keeps the global batch."""
+    from conftest import wait_for
+    path = tmp_path / "control.json"
+    job = ddp_job(2, 0, "--control-file", str(path), "--microbatches", "4", go=False)
+    wait_for(lambda: len(job.truth_records()) >= 10, 120, "the job to train")
+    w = ControlWriter(path)
+    plan = w.issue("rebalance_microbatches", microbatches={0: 6, 1: 2}, reason="test")
+    wait_for(lambda: w.acks() == {0: plan.seq, 1: plan.seq}, 60, "both ranks to ack")
+    wait_for(lambda: [r for r in job.truth_records() if r["microbatches"] != 4], 60, "new counts")
+    after = [r for r in job.truth_records() if r["microbatches"] != 4]
+    assert {r["rank"]: r["microbatches"] for r in after} == {0: 6, 1: 2}
+    # A plan that does not keep the global batch (8) is not applied.
+    w.issue("rebalance_microbatches", microbatches={0: 1, 1: 1}, reason="bad total")
+    n = len(job.truth_records())
+    wait_for(lambda: len(job.truth_records()) > n + 6, 60, "more steps")
+    late = job.truth_records()[-4:]
+    assert {r["microbatches"] for r in late if r["rank"] == 0} == {6}
