@@ -7,6 +7,7 @@ removes the group, so nothing is left behind.
 """
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ GROUP_PREFIX = "greyhound-"
 # stalls for tens of ms: spikes, not a slower GPU. A 2 ms period spreads the
 # throttling evenly over every iteration, like a lowered clock.
 PERIOD_US = 2_000
+MIN_QUOTA_US = 1_000
 
 
 def _threads(pid: int) -> list[int]:
@@ -31,13 +33,15 @@ def _threads(pid: int) -> list[int]:
 
 class CpuQuota:
     def __init__(self, pid: int, quota: float, root: Path = CPU_ROOT):
-        if not 0 < quota:
+        if not quota > 0:
             raise GreyhoundError(f"quota must be positive (cores), not {quota}")
         if not (root / "cpu.cfs_quota_us").exists():
             raise GreyhoundError(f"no cgroup v1 cpu controller at {root}", exit_code=1)
         if not os.path.exists(f"/proc/{pid}"):
             raise GreyhoundError(f"no process with PID {pid}")
         self.pid, self.quota, self.root = pid, quota, root
+        if quota < 0.001:
+            raise GreyhoundError(f"quota {quota} is below the kernel's 1 ms per second")
         self.group = root / f"{GROUP_PREFIX}{pid}-{uuid.uuid4().hex[:8]}"
         self._origin: Path | None = None
 
@@ -51,8 +55,12 @@ class CpuQuota:
     def apply(self) -> "CpuQuota":
         self._origin = self._origin_group()
         self.group.mkdir()
-        (self.group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (self.group / "cpu.cfs_quota_us").write_text(str(int(self.quota * PERIOD_US)))
+        # The kernel takes quotas of 1 ms at least: a small share needs a
+        # longer period (0.3 CPU: 1 ms every 3.3 ms).
+        period = min(1_000_000, max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.quota)))
+        (self.group / "cpu.cfs_period_us").write_text(str(period))
+        (self.group / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US,
+                                                               int(self.quota * period))))
         # Every thread: in cgroup v1 a thread moves on its own.
         for tid in _threads(self.pid):
             try:
