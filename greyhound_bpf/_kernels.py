@@ -157,10 +157,7 @@ def bocd_step(x, n, st, nst, params):
         m += 1
     # Prune hypotheses negligible next to the heaviest (relative mass, so
     # one normalisation pass suffices), then keep the rmax heaviest.
-    mx = -np.inf
-    for i in range(m):
-        if nst[LOGP, i] > mx:
-            mx = nst[LOGP, i]
+    mx = nst[LOGP, _argmax_logp(nst, m)]
     k = 0
     for i in range(m):
         if nst[LOGP, i] - mx >= log_prune:
@@ -177,19 +174,22 @@ def bocd_step(x, n, st, nst, params):
     # Evidence of x: the mass before normalisation (pruned terms are
     # negligible by construction).
     total = _normalise(nst, k)
-    best = 0
-    for i in range(k):
-        if nst[LOGP, i] > nst[LOGP, best]:
-            best = i
+    best = _argmax_logp(nst, k)
     return k, total, int(nst[RL, best]), math.exp(nst[LOGP, best])
 
 
 @njit(cache=True)
+def _argmax_logp(st, n):
+    best = 0
+    for i in range(1, n):
+        if st[LOGP, i] > st[LOGP, best]:
+            best = i
+    return best
+
+
+@njit(cache=True)
 def _normalise(st, n):
-    mx = -np.inf
-    for i in range(n):
-        if st[LOGP, i] > mx:
-            mx = st[LOGP, i]
+    mx = st[LOGP, _argmax_logp(st, n)]
     s = 0.0
     for i in range(n):
         s += math.exp(st[LOGP, i] - mx)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .records import GH_F_DEREF_FAILED
+
 # Argument slot names that become event fields. Anything else in a catalog is
 # a mistake (a typo would silently drop a field), so loading rejects it.
 FIELD_NAMES = frozenset({
@@ -93,8 +95,8 @@ class Catalog:
         self.by_name = {fn.name: fn for fn in self.functions}
         # One regex over every soname pattern: a torch rank maps thousands of
         # files, and discovery reads its maps while the job runs.
-        self._any = re.compile("|".join(f"(?:{fnmatch.translate(p)})"
-                                        for f in families for p in f.sonames))
+        self.sonames = [p for f in families for p in f.sonames]
+        self._any = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in self.sonames))
 
     def family_for(self, path: str) -> Family | None:
         base = path.rsplit("/", 1)[-1]
@@ -133,7 +135,7 @@ class Catalog:
             if size:
                 out["bytes"] = out["count"] * size
         out["ret"] = _s32(ret) if fn.returns else None
-        if flags & 0x1:
+        if flags & GH_F_DEREF_FAILED:
             out["deref_failed"] = True
         return out
 

@@ -133,7 +133,7 @@ def check_pid(pid: int, catalog: Catalog) -> list[Row]:
     if not d.targets:
         what = ("launcher maps a library; its ranks have not started"
                 if d.libraries_seen else
-                "maps none of " + ", ".join(p for f in catalog.families.values() for p in f.sonames))
+                "maps none of " + ", ".join(catalog.sonames))
         return [Row(f"pid {pid}", WARN if d.libraries_seen else FAIL,
                     f"{st.comm}, {len(d.tree)} process(es): {what}",
                     "" if d.libraries_seen else "attach --wait waits for the libraries")]

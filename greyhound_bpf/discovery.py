@@ -189,6 +189,7 @@ class Discovery:
         self.libraries_seen = False
         self.tree: list[int] = []
         self._scans = 0
+        self._launchers: dict[int, int] = {}    # pid -> start time: seen, never a rank
 
     def roots_alive(self) -> bool:
         return any(pid_alive(p) for p in self.roots)
@@ -208,6 +209,8 @@ class Discovery:
         for pid in self.tree:
             if pid == os.getpid():
                 continue
+            if self._launchers.get(pid) == stats[pid].start_time:
+                continue
             if pid in self.targets:
                 if not recheck:
                     continue
@@ -222,6 +225,7 @@ class Discovery:
                 continue
             self.libraries_seen = True
             if is_launcher(pid):
+                self._launchers[pid] = stats[pid].start_time
                 continue
             rank, local_rank, world = rank_identity(pid)
             st = stats[pid]

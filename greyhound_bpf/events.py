@@ -16,7 +16,6 @@ KINDS = frozenset({
     "attach", "call", "exit", "pattern", "iteration", "slowdown", "recovery", "diagnosis",
     "action", "applied", "lost", "detach",
 })
-DETACH_REASONS = frozenset({"target_exited", "signal", "duration", "count", "error"})
 
 
 def make_event(kind: str, job: str, time_ns: int | None = None, **fields) -> dict:

@@ -133,7 +133,7 @@ class AttachSession:
         self._initial_scan = self.discovery.scan()
         if not self.discovery.libraries_seen and not self.opts.wait:
             n = len(self.discovery.tree) - len(self.opts.pids)
-            names = ", ".join(p for f in self.catalog.families.values() for p in f.sonames)
+            names = ", ".join(self.catalog.sonames)
             pids = ", ".join(map(str, self.opts.pids))
             raise GreyhoundError(
                 f"PID {pids} and its {n} descendant(s) map none of {names}; "

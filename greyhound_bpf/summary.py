@@ -38,10 +38,6 @@ class RankStats:
     interval_ns: int = 0
     interval_top: dict[int, list[int]] = field(default_factory=dict)
 
-    @property
-    def total_calls(self) -> int:
-        return sum(s.count for s in self.fns.values())
-
 
 class CallStats:
     def __init__(self, catalog: Catalog):

@@ -197,9 +197,6 @@ class Tracer:
     def launch_counts(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self.bpf["launches"].items()}
 
-    def probe_count(self) -> int:
-        return sum(len(v) for v in self.probes.values())
-
     def close(self) -> None:
         if self.bpf is not None:
             for pid in list(self.probes):

@@ -60,27 +60,22 @@ def bench_acf() -> dict:
             "speedup": sm / ours, "speedup_vs_fft": sm_fft / ours}
 
 
+def time_updates(detector, x) -> tuple[float, float]:
+    """Mean seconds per update over x, and the median of the last 100."""
+    per = []
+    t0 = time.perf_counter()
+    for v in x:
+        t = time.perf_counter()
+        detector.update(v)
+        per.append(time.perf_counter() - t)
+    return (time.perf_counter() - t0) / len(x), statistics.median(per[-100:])
+
+
 def bench_bocd(n: int = 10_000) -> dict:
     x = np.random.default_rng(1).normal(size=n)
     p = default_prior(x)
-    ref = ReferenceBOCD(0.01, **p)
-    per = []
-    t0 = time.perf_counter()
-    for v in x:
-        t = time.perf_counter()
-        ref.update(v)
-        per.append(time.perf_counter() - t)
-    ref_mean = (time.perf_counter() - t0) / n
-    ref_at_end = statistics.median(per[-100:])
-    ours = BOCD(hazard=0.01, **p)
-    per = []
-    t0 = time.perf_counter()
-    for v in x:
-        t = time.perf_counter()
-        ours.update(v)
-        per.append(time.perf_counter() - t)
-    ours_mean = (time.perf_counter() - t0) / n
-    ours_at_end = statistics.median(per[-100:])
+    ref_mean, ref_at_end = time_updates(ReferenceBOCD(0.01, **p), x)
+    ours_mean, ours_at_end = time_updates(BOCD(hazard=0.01, **p), x)
     agree = 0
     cases = 0
     for seed in range(10):
