@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mitigation.rebalance import RebalanceError, even_split, solve
+from mitigation.rebalance import RebalanceError, even_split, greedy, solve
 
 
 def brute_force(t, total, caps=None):
@@ -34,7 +34,24 @@ def test_matches_brute_force(seed):
     assert sum(r.counts) == total and min(r.counts) >= 1
     if caps:
         assert all(c <= k for c, k in zip(r.counts, caps))
-    assert r.makespan == pytest.approx(brute_force(list(t), total, caps), rel=1e-9)
+    best = brute_force(list(t), total, caps)
+    assert r.makespan == pytest.approx(best, rel=1e-9)
+    assert r.status == "optimal"          # the MIP certified it, not the fallback
+    g = greedy(t, total, caps)
+    assert sum(g) == total and max(g * t) == pytest.approx(best, rel=1e-9)
+
+
+def test_large_case_is_certified_optimal():
+    rng = np.random.default_rng(7)
+    t = rng.uniform(1, 2, 512)
+    r = solve(t, 8 * 512)
+    assert r.status == "optimal" and sum(r.counts) == 8 * 512
+    # No single move of one micro-batch from the slowest rank helps: a local
+    # optimality check independent of both solvers.
+    c = np.array(r.counts)
+    worst = int(np.argmax(c * t))
+    best_target = np.min((c + 1) * t)
+    assert best_target >= r.makespan - 1e-9 or c[worst] == 1
 
 
 def test_slow_rank_gets_fewer_microbatches():
