@@ -4,11 +4,12 @@ One JSON document (shared/DESIGN.md, "Control file"), written atomically by
 the tool (``ControlWriter``) and read by the trainer (``ControlFile``):
 
     ctl = ControlFile(path, rank=rank, dp_rank=dp_rank)
+    ctl.announce(microbatches=n_micro, world=world)   # what the tool may rebalance
     for step in ...:
         plan = ctl.poll()        # None, or a new validated Plan (one stat() when unchanged)
         if plan:
             n_micro = plan.microbatches_for(dp_rank, default=n_micro)
-            ctl.ack(plan)
+            ctl.ack(plan, microbatches=n_micro)
         scale = loss_scale(world, total_microbatches)   # loss *= scale per micro-batch
 
 A malformed file, an unknown version or a half-written file is rejected with
@@ -26,6 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+# A trainer that saved a checkpoint for a checkpoint_restart plan exits with
+# this code (EX_TEMPFAIL), after rank 0 wrote the restart request
+# `<control>.restart`; greyhound-run relaunches the job when it sees one.
+RESTART_EXIT_CODE = 75
 STRATEGIES = ("none", "rebalance_microbatches", "reconfigure_pipeline", "checkpoint_restart")
 log = logging.getLogger("greyhound.control")
 
@@ -177,15 +182,35 @@ class ControlWriter:
         return plan
 
     def acks(self) -> dict[int, int]:
-        """rank -> the last seq it applied."""
+        """rank -> the last seq it applied (0: announced, no plan yet)."""
+        return {r: d["seq"] for r, d in self.ack_docs().items()}
+
+    def ack_docs(self) -> dict[int, dict]:
+        """rank -> its last acknowledgement, with what it runs now
+        (``microbatches``, ``dp_rank``, ``world``, ``stage``...)."""
         out = {}
         for p in self.path.parent.glob(f"{self.path.name}.ack.*"):
             try:
                 d = json.loads(p.read_text())
-                out[int(d["rank"])] = int(d["seq"])
-            except (OSError, ValueError, KeyError, TypeError):
+                d["rank"], d["seq"] = int(d["rank"]), int(d["seq"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
+            out[d["rank"]] = d
         return out
+
+    def restart_observed_s(self) -> float | None:
+        """The last restart's cost as measured by greyhound-run, if any."""
+        try:
+            return float(json.loads(Path(f"{self.path}.restart_cost").read_text())["restart_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def clear_acks(self) -> None:
+        for p in self.path.parent.glob(f"{self.path.name}.ack.*"):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
 
 
 @dataclass
@@ -197,6 +222,7 @@ class ControlFile:
     plan: Plan | None = None                     # the last good plan, in force
     rejected: int = 0                            # documents rejected so far
     _sig: tuple | None = field(default=None, repr=False)
+    _state: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.path = Path(self.path)
@@ -226,7 +252,30 @@ class ControlFile:
         self.plan = plan
         return plan
 
-    def ack(self, plan: Plan) -> None:
-        atomic_write_json(Path(f"{self.path}.ack.{self.rank}"),
-                          {"v": SCHEMA_VERSION, "seq": plan.seq, "rank": self.rank,
-                           "dp_rank": self.dp_rank, "applied_ns": time.time_ns()})
+    def announce(self, **state) -> None:
+        """Tell the tool what this rank runs before any plan (an ack of seq
+        0): ``microbatches`` (this rank's count), ``world``, and for a
+        pipeline ``stage`` and ``layer_split``; ``checkpoint=True`` when the
+        trainer can save and resume (S3/S4). The tool only proposes what a
+        trainer announced it can do."""
+        self._write_ack(0, state)
+
+    def ack(self, plan: Plan, **state) -> None:
+        """Acknowledge `plan` once applied; `state` as in announce()."""
+        self._write_ack(plan.seq, state)
+
+    def request_restart(self, plan: Plan, checkpoint: str) -> None:
+        """Rank 0, after the checkpoint is saved: ask the supervisor to
+        relaunch (then every rank exits with RESTART_EXIT_CODE)."""
+        restart = plan.restart or {}
+        atomic_write_json(Path(f"{self.path}.restart"),
+                          {"v": SCHEMA_VERSION, "seq": plan.seq, "checkpoint": str(checkpoint),
+                           "exclude": list(restart.get("exclude", [])),
+                           "layer_split": plan.layer_split, "saved_ns": time.time_ns()})
+
+    def _write_ack(self, seq: int, state: dict) -> None:
+        self._state.update(state)        # announced facts carry into later acks
+        doc = {"v": SCHEMA_VERSION, **self._state, "seq": seq, "rank": self.rank,
+               "dp_rank": self.rank if self.dp_rank is None else self.dp_rank,
+               "applied_ns": time.time_ns()}
+        atomic_write_json(Path(f"{self.path}.ack.{self.rank}"), doc)

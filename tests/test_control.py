@@ -22,8 +22,16 @@ def test_issue_poll_ack_round_trip(tmp_path):
     assert got == p1 and got.seq == 1 and got.microbatches_for(1, 8) == 6
     assert got.total_microbatches == 32
     assert ctl.poll() is None                     # unchanged: nothing new
-    ctl.ack(got)
+    ctl.announce(microbatches=8, world=4)
+    assert w.acks() == {1: 0}
+    ctl.ack(got, microbatches=6)
     assert w.acks() == {1: 1}
+    doc = w.ack_docs()[1]
+    assert doc["microbatches"] == 6 and doc["world"] == 4 and doc["dp_rank"] == 1
+    (tmp_path / "control.json.ack.7").write_text("[1, 2]")     # garbage is ignored
+    assert w.acks() == {1: 1}
+    w.clear_acks()
+    assert w.acks() == {}
     assert oct(os.stat(path).st_mode & 0o777) == "0o644"
     p2 = w.issue("none", reason="recovered")
     assert ctl.poll() == p2 and p2.seq == 2

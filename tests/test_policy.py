@@ -1,0 +1,168 @@
+"""The ski-rental policy, driven by the events a 4-rank data-parallel job
+would produce (per-rank compute = micro-batches x time per micro-batch; the
+iteration waits for the slowest rank)."""
+import pytest
+
+from mitigation.policy import SkiRentalPolicy
+from mitigation.rebalance import even_split
+
+OVERHEAD_MS = 2.0
+
+
+class Job:
+    """A simulated data-parallel job: what the engine's events would say."""
+
+    def __init__(self, speeds, total=32):
+        self.t = list(speeds)                    # ms per micro-batch, per rank
+        self.split = dict(enumerate(even_split(total, len(speeds))))
+        self.index = 0
+        self.now = 0
+
+    def iteration_events(self):
+        compute = {r: self.split[r] * self.t[r] for r in self.split}
+        dur = max(compute.values()) + OVERHEAD_MS
+        evs = []
+        for r in sorted(self.split):
+            evs.append({"kind": "iteration", "rank": r, "index": self.index,
+                        "start_ns": self.now, "dur_ns": int(dur * 1e6),
+                        "compute_ns": int(compute[r] * 1e6),
+                        "comm_ns": int((dur - compute[r]) * 1e6)})
+        self.index += 1
+        self.now += int(dur * 1e6)
+        return evs, dur
+
+
+def acks(job, checkpoint=False, **extra):
+    return {r: {"rank": r, "dp_rank": r, "seq": 0, "microbatches": n, "world": len(job.split),
+                "checkpoint": checkpoint, **extra} for r, n in job.split.items()}
+
+
+def run(policy, job, n):
+    out = []
+    for _ in range(n):
+        evs, _ = job.iteration_events()
+        for ev in evs:
+            out += policy.observe(ev)
+    return out
+
+
+def slowdown(job, before, after, index, detected):
+    return {"kind": "slowdown", "scope": "job", "index": index, "detected_index": detected,
+            "before_ms": before, "after_ms": after, "ratio": after / before,
+            "probability": 1.0, "time_ns": job.now}
+
+
+def test_rebalance_at_detection_then_back_to_even():
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy()
+    pol.acks(acks(job))
+    assert run(pol, job, 20) == []                      # healthy: nothing
+    job.t[2] = 2.0                                      # rank 2 twice as slow
+    assert run(pol, job, 4) == []                       # not detected yet: no decision
+    # Detected 4 iterations after the onset: 32 ms lost, over the ~10 ms a
+    # rebalance costs (plus the solver's time, measured): at once or nearly.
+    d = pol.observe(slowdown(job, 10.0, 18.0, 20, 24)) + run(pol, job, 2)
+    d = [x for x in d if "waiting" not in x.reason]
+    assert [x.strategy for x in d] == ["rebalance_microbatches"]
+    plan = d[0].plan["microbatches"]
+    assert sum(plan.values()) == 32 and plan[2] < 8
+    assert max(n * t for n, t in zip(plan.values(), job.t)) == pytest.approx(10.0)
+    assert d[0].expected_ms == pytest.approx(12.0, rel=0.01)
+    assert d[0].numbers["loss_ms"] >= d[0].numbers["cost_ms"]
+    # Until every rank applied it, nothing else is decided.
+    assert run(pol, job, 5) == []
+    job.split = dict(plan)
+    pol.acks(acks(job))
+    assert pol.planned is None and pol.split == plan
+    assert run(pol, job, 30) == []                      # stable: no flapping
+    job.t[2] = 1.0                                      # the slowdown is lifted
+    d = run(pol, job, 12)
+    assert [x.strategy for x in d] == ["rebalance_microbatches"]
+    assert sorted(d[0].plan["microbatches"].values()) == [8, 8, 8, 8]
+    assert "even" in d[0].reason
+    job.split = dict(d[0].plan["microbatches"])
+    pol.acks(acks(job))
+    assert run(pol, job, 20) == [] and not pol.slow
+
+
+def test_communication_slowdown_is_not_rebalanced():
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy()
+    pol.acks(acks(job))
+    run(pol, job, 12)
+    d = pol.observe(slowdown(job, 10.0, 15.0, 8, 11))
+    assert [x.strategy for x in d] == ["none"]
+    assert "no rank is slower at compute" in d[0].reason
+    assert run(pol, job, 30) == []                      # said once
+
+
+def test_unknown_global_batch_says_so():
+    job = Job([1.0, 1.0, 2.0, 1.0])
+    pol = SkiRentalPolicy()                             # no acks, no --microbatches
+    run(pol, job, 10)
+    d = pol.observe(slowdown(job, 10.0, 18.0, 5, 8))
+    assert d[0].strategy == "none" and "micro-batch count is unknown" in d[0].reason
+    # Given the count on the command line, it can advise.
+    pol = SkiRentalPolicy(global_microbatches=32, world=4)
+    run(pol, job, 10)
+    d = pol.observe(slowdown(job, 10.0, 18.0, 5, 8)) + run(pol, job, 3)
+    d = [x for x in d if x.strategy != "none"]
+    assert [x.strategy for x in d] == ["rebalance_microbatches"]
+    pol.withdraw()                                      # advise-only: not written
+    assert run(pol, job, 40) == []                      # the same advice is not repeated
+
+
+def test_blip_shorter_than_cost_does_nothing():
+    job = Job([1.0, 1.0, 1.2, 1.0])
+    pol = SkiRentalPolicy(restart_estimate_s=60)
+    pol.acks(acks(job, checkpoint=True))
+    run(pol, job, 10)
+    # Detected immediately (no loss yet): a rebalance costs ~one iteration.
+    d = pol.observe(slowdown(job, 10.0, 11.6, 10, 10))
+    assert [x.strategy for x in d] == ["none"]
+    assert "waiting" in d[0].reason
+
+
+def test_restart_only_when_loss_pays_for_it():
+    # Rank 3 is 30x slow: even one micro-batch there is far from healthy, and
+    # restarting without it beats any split. S4 waits for 2 s of loss.
+    job = Job([1.0, 1.0, 1.0, 30.0])
+    pol = SkiRentalPolicy(restart_estimate_s=2.0)
+    pol.acks(acks(job, checkpoint=True))
+    run(pol, job, 12)
+    d = pol.observe(slowdown(job, 10.0, 242.0, 8, 12))
+    assert [x.strategy for x in d] == ["rebalance_microbatches"]
+    job.split = dict(d[0].plan["microbatches"])
+    pol.acks(acks(job, checkpoint=True))
+    later = []
+    elapsed = 0.0
+    while not later and elapsed < 60_000:
+        evs, dur = job.iteration_events()
+        elapsed += dur
+        for ev in evs:
+            later += pol.observe(ev)
+    assert [x.strategy for x in later] == ["checkpoint_restart"]
+    assert later[0].plan["restart"] == {"checkpoint": True, "exclude": [3]}
+    assert later[0].numbers["loss_ms"] >= 2000 and later[0].numbers["cost"] == "estimated"
+
+
+def test_pipeline_resplit_when_trainer_is_pipelined():
+    # 4 stages of one pipeline, 8 layers each; stage 1 is 2x slow.
+    pol = SkiRentalPolicy(restart_estimate_s=0.5)
+    announced = {r: {"rank": r, "dp_rank": 0, "seq": 0, "stage": r, "checkpoint": True,
+                     "layer_split": [8, 8, 8, 8]} for r in range(4)}
+    pol.acks(announced)
+    t = [8.0, 16.0, 8.0, 8.0]
+    out = []
+    for i in range(200):
+        for r in range(4):
+            out += pol.observe({"kind": "iteration", "rank": r, "index": i, "start_ns": i,
+                                "dur_ns": int(18e6), "compute_ns": int(t[r] * 1e6),
+                                "comm_ns": int((18 - t[r]) * 1e6)})
+        if i == 10:
+            out += pol.observe({"kind": "slowdown", "scope": "job", "index": 8,
+                                "detected_index": 10, "before_ms": 10.0, "after_ms": 18.0})
+    pipe = [d for d in out if d.strategy == "reconfigure_pipeline"]
+    assert len(pipe) == 1
+    split = pipe[0].plan["layer_split"]
+    assert sum(split) == 32 and split[1] < 8
