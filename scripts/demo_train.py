@@ -43,6 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--control-file",
                    help="follow greyhound's plans in this file (mitigation.control): "
                         "micro-batch counts per data-parallel rank, applied between steps")
+    p.add_argument("--checkpoint",
+                   help="checkpoint path: resume from it when it exists; a checkpoint_restart "
+                        "plan saves it and exits with code 75 for greyhound-run to relaunch")
+    p.add_argument("--save-final", help="write the final parameters here (rank 0)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -84,22 +88,54 @@ def main(argv=None) -> int:
 
     # The global batch is world x microbatches; a plan may split it unevenly.
     total_mb = world * args.microbatches
-    my_mb = args.microbatches
+    step = 0
+    ckpt = None
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        # Resume: same parameters, optimizer state, step and data stream. After
+        # a restart without some ranks the global batch stays the same size.
+        ckpt = torch.load(args.checkpoint, weights_only=False)
+        model.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        step, total_mb = ckpt["step"], ckpt["total_mb"]
+        gens = ckpt["generators"]
+        if len(gens) == world:
+            gen.set_state(gens[rank])
+    my_mb = even_split(total_mb, world)[rank]
     ctl = None
     if args.control_file:
-        from mitigation.control import ControlFile, loss_scale
+        from mitigation.control import RESTART_EXIT_CODE, ControlFile, loss_scale
         ctl = ControlFile(args.control_file, rank=rank, dp_rank=rank)
-    step = 0
+        ctl.announce(microbatches=my_mb, world=world, checkpoint=bool(args.checkpoint))
+    seen: dict[int, object] = {}          # plans this rank has read, by seq
+    applied_seq = ckpt["seq"] if ckpt else 0
+    exit_code = 0
     try:
         while args.steps == 0 or step < args.steps:
             if args.idle_ms:
                 time.sleep(args.idle_ms / 1000)
             if ctl is not None:
                 plan = ctl.poll()         # one stat() when nothing changed
-                if plan is not None and plan.microbatches is not None:
-                    if plan.total_microbatches == total_mb and len(plan.microbatches) == world:
-                        my_mb = plan.microbatches_for(rank, my_mb)
-                        ctl.ack(plan)
+                if plan is not None:
+                    seen[plan.seq] = plan
+                # Apply a plan only once every rank has read it, all at the same
+                # iteration boundary: one 8-byte all-reduce per step.
+                newest = torch.tensor([max(seen, default=0)], dtype=torch.int64)
+                dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+                agreed = seen.get(int(newest.item()))
+                if agreed is not None and agreed.seq > applied_seq:
+                    applied_seq = agreed.seq
+                    if agreed.strategy == "checkpoint_restart" and args.checkpoint:
+                        save_checkpoint(args.checkpoint, model, opt, step, total_mb, gen,
+                                        rank, world, agreed.seq)
+                        ctl.ack(agreed)
+                        if rank == 0:
+                            ctl.request_restart(agreed, args.checkpoint)
+                        exit_code = RESTART_EXIT_CODE
+                        break
+                    mb = agreed.microbatches
+                    if mb is not None and sum(mb.values()) == total_mb and len(mb) == world:
+                        my_mb = agreed.microbatches_for(rank, my_mb)
+                    ctl.ack(agreed, microbatches=my_mb)
                 # Same scale on every rank: the all-reduced gradient is the
                 # global batch's gradient whatever the split.
                 scale = loss_scale(world, total_mb)
@@ -128,11 +164,13 @@ def main(argv=None) -> int:
         pass
     finally:
         summary = {"rank": rank, "final": True, "steps": step,
-                   "allreduces": state["allreduces"]}
+                   "allreduces": state["allreduces"], "exit_code": exit_code}
         if log:
             log.write(json.dumps(summary) + "\n")   # one append: atomic across ranks
             log.close()
     print(json.dumps(summary), flush=True)
+    if args.save_final and rank == 0 and exit_code == 0:
+        torch.save(model.module.state_dict(), args.save_final)
     # Drop every reference to the process group before the interpreter shuts
     # down, so ~ProcessGroupGloo joins its worker threads now: a worker still
     # releasing the comm hook's Python callback during finalization aborts
@@ -140,7 +178,25 @@ def main(argv=None) -> int:
     del model, opt
     gc.collect()
     dist.destroy_process_group()
-    return 0
+    return exit_code
+
+
+def even_split(total: int, ranks: int) -> list[int]:
+    base, extra = divmod(total, ranks)
+    return [base + (1 if i < extra else 0) for i in range(ranks)]
+
+
+def save_checkpoint(path, model, opt, step, total_mb, gen, rank, world, seq) -> None:
+    """Every rank's data-stream state is gathered; rank 0 writes one file
+    atomically (temporary file, then rename)."""
+    states = [None] * world
+    dist.all_gather_object(states, gen.get_state())
+    if rank == 0:
+        tmp = f"{path}.tmp"
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                    "step": step, "total_mb": total_mb, "generators": states, "seq": seq}, tmp)
+        os.replace(tmp, path)
+    dist.barrier()
 
 
 class _null:
