@@ -13,6 +13,8 @@ examples:
   sudo greyhound-trace attach 4242 --json ev.jsonl --calls --duration 60
   sudo greyhound-trace attach 4242 --json - | jq 'select(.kind=="lost")'
   sudo greyhound-trace attach --wait $(pgrep -f train.sh)  # ranks start later
+  sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
+  sudo greyhound-trace attach 4242 --control-file /run/ctl.json --mitigate
 
 exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
@@ -96,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--min-probability", type=_probability, default=0.9, metavar="P",
                    help="change probability a slowdown needs (default 0.9)")
 
+    m = a.add_argument_group("mitigation (advise only unless --mitigate)")
+    m.add_argument("--control-file", metavar="PATH",
+                   help="the control file the training script follows (mitigation.control); "
+                        "its acks tell the tool what each rank runs")
+    m.add_argument("--mitigate", action="store_true",
+                   help="write plans to --control-file (default: only report them as "
+                        "`action` events)")
+    m.add_argument("--microbatches", type=int, metavar="M",
+                   help="global micro-batches per iteration, when the trainer does not "
+                        "announce it")
+    m.add_argument("--restart-cost", type=_positive, default=60.0, metavar="S",
+                   help="checkpoint-restart cost assumed until one is observed (default 60)")
+
     r = sub.add_parser("replay", help="run the engine over a recorded trace",
                        description="Run the iteration estimator and slowdown detector over a\n"
                                    "recording made with `attach --json FILE --calls`. The same\n"
@@ -133,7 +148,11 @@ def cmd_attach(args) -> int:
         interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
         ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
         count_launches=args.count_launches, job=args.job, threshold=args.threshold,
-        min_probability=args.min_probability)
+        min_probability=args.min_probability, control_file=args.control_file,
+        mitigate=args.mitigate, microbatches=args.microbatches,
+        restart_estimate_s=args.restart_cost)
+    if args.microbatches is not None and args.microbatches < 1:
+        raise GreyhoundError("--microbatches must be at least 1")
     return AttachSession(opts).run()
 
 

@@ -52,6 +52,10 @@ class AttachOptions:
     job: str | None = None
     threshold: float = 0.10
     min_probability: float = 0.9
+    control_file: str | None = None
+    mitigate: bool = False
+    microbatches: int | None = None
+    restart_estimate_s: float = 60.0
 
 
 def has_bpf_privileges() -> bool:
@@ -75,6 +79,17 @@ def describe_engine_event(kind: str, f: dict) -> str:
     if kind in ("slowdown", "recovery"):
         return (f"{kind.upper()} {who} from iteration {f['index']}: {f['before_ms']:.1f} -> "
                 f"{f['after_ms']:.1f} ms (x{f['ratio']:.2f}, p={f['probability']:.2f})")
+    if kind == "action":
+        if f.get("phase") == "outcome":
+            return (f"OUTCOME plan {f['seq']}: {f['achieved_ms']:.1f} ms per iteration "
+                    f"(expected {f['expected_ms']:.1f})")
+        head = "PLAN" if f.get("seq") is not None else "ADVICE"
+        plan = f" {f['plan']}" if f.get("plan") else ""
+        seq = f" {f['seq']}" if f.get("seq") is not None else ""
+        exp = f", expected {f['expected_ms']:.1f} ms" if f.get("expected_ms") else ""
+        return f"{head}{seq} {f['strategy']}{plan}: {f['reason']}{exp}"
+    if kind == "applied":
+        return f"APPLIED plan {f['seq']} by ranks {f['ranks']} after {f['after_ms']:.0f} ms"
     if kind == "pattern":
         prev = "" if f["previous"] is None else f" (was {f['previous']})"
         return (f"pattern rank {f['rank']}: {f['period_calls']} calls per iteration{prev}"
@@ -102,6 +117,21 @@ class AttachSession:
         self.stop_reason: str | None = None
         self.lost_reported = 0
         self.mono_to_wall = time.time_ns() - time.monotonic_ns()
+        self.control = None
+        if opts.mitigate and not opts.control_file:
+            raise GreyhoundError("--mitigate needs --control-file PATH: the file the "
+                                 "training script reads its plans from")
+        if opts.control_file:
+            from mitigation.control import ControlWriter, PlanError
+            try:
+                self.control = ControlWriter(opts.control_file)
+            except PlanError as e:
+                raise GreyhoundError(f"--control-file: {e}") from None
+        from mitigation.policy import SkiRentalPolicy
+        self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
+                                      restart_estimate_s=opts.restart_estimate_s)
+        self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
+        self.outcome_due: dict | None = None       # applied, its effect not measured yet
 
     def _default_job(self) -> str:
         st = read_stat(self.opts.pids[0]) if self.opts.pids else None
@@ -186,6 +216,7 @@ class AttachSession:
             now = time.monotonic()
             if now >= next_lost:
                 self._report_lost()
+                self._read_acks()
                 next_lost = now + LOST_CHECK_S
             if now >= next_scan:
                 self._rescan()
@@ -253,9 +284,10 @@ class AttachSession:
         self.stats.add(recs)
         ranks = {pid: t.rank for pid, t in self.known.items()}
         for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
-            self.emit(kind, t_ns, **fields)
+            ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":
                 print(describe_engine_event(kind, fields), file=self.text_out, flush=True)
+            self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
         fns = self.catalog.functions
@@ -267,6 +299,56 @@ class AttachSession:
             self.emit("call", rank=t.rank if t else None, pid=pid, tid=int(r["tid"]),
                       fn=fn.name, start_ns=int(r["start_ns"]) + offset, dur_ns=int(r["dur_ns"]),
                       **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
+
+    # -- mitigation ----------------------------------------------------------
+
+    def _mitigate(self, ev: dict) -> None:
+        for d in self.policy.observe(ev):
+            seq = None
+            if self.opts.mitigate and d.strategy != "none":
+                from mitigation.control import PlanError
+                try:
+                    plan = self.control.issue(d.strategy, reason=d.reason, **d.plan)
+                except (OSError, PlanError) as e:
+                    self.say(f"could not write plan to {self.opts.control_file}: {e}")
+                    self.policy.withdraw()
+                else:
+                    seq = plan.seq
+                    self.pending_plan = {"seq": seq, "strategy": d.strategy,
+                                         "expected_ms": d.expected_ms,
+                                         "issued": time.monotonic()}
+            elif d.strategy != "none":
+                self.policy.withdraw()          # advise only: reported, not written
+            f = d.fields()
+            out = self.emit("action", seq=seq, mode="mitigate" if self.opts.mitigate
+                            else "advise", **f)
+            print(describe_engine_event("action", out), file=self.text_out, flush=True)
+        due = self.outcome_due
+        if (due and ev["kind"] == "iteration" and self.policy.since_plan >= self.policy.window
+                and self.policy.recent_job_ms() is not None):
+            self.outcome_due = None
+            out = self.emit("action", phase="outcome", seq=due["seq"], strategy=due["strategy"],
+                            expected_ms=due["expected_ms"],
+                            achieved_ms=round(self.policy.recent_job_ms(), 3))
+            print(describe_engine_event("action", out), file=self.text_out, flush=True)
+
+    def _read_acks(self) -> None:
+        if self.control is None:
+            return
+        docs = self.control.ack_docs()
+        self.policy.acks(docs)
+        self.policy.restart_observed_s = self.control.restart_observed_s()
+        p = self.pending_plan
+        if p is None or not docs:
+            return
+        done = sorted(r for r, d in docs.items() if d["seq"] >= p["seq"])
+        if len(done) == len(docs):
+            self.pending_plan = None
+            after_ms = (time.monotonic() - p["issued"]) * 1e3
+            ev = self.emit("applied", seq=p["seq"], ranks=done, after_ms=round(after_ms, 1))
+            print(describe_engine_event("applied", ev), file=self.text_out, flush=True)
+            if p["strategy"] == "rebalance_microbatches":
+                self.outcome_due = p
 
     def _finish(self, t0: float) -> None:
         if self.tracer and self.tracer.bpf is not None:
