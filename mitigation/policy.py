@@ -77,9 +77,9 @@ class _Rank:
 
 class SkiRentalPolicy:
     def __init__(self, *, global_microbatches: int | None = None, world: int | None = None,
-                 window: int = 8, min_gain: float = 0.05,
+                 window: int = 8, min_gain: float = 0.05, min_slower: float = 0.15,
                  restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True):
-        self.window, self.min_gain = window, min_gain
+        self.window, self.min_gain, self.min_slower = window, min_gain, min_slower
         self.global_microbatches, self.world = global_microbatches, world
         self.restart_estimate_s = restart_estimate_s
         self.restart_observed_s: float | None = None
@@ -98,6 +98,10 @@ class SkiRentalPolicy:
         self.job_history: deque = deque(maxlen=window)   # job iteration times (ms)
         self._leader_starts: dict[int, int] = {}       # leader's iteration index -> start
         self.pending = False                           # decide once enough slow samples
+        self.planned_ns = 0                            # when the plan in flight was made
+        self.applied_ns = 0                            # when the plan in force was applied
+        self.unapplied_said = False
+        self._now_ns = 0
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -117,6 +121,10 @@ class SkiRentalPolicy:
             self.planned = None
             self.since_plan = 0
             self._reset_windows()
+            # Iterations that started before the last rank applied the plan
+            # still ran the old split (the tracer reports them late).
+            self.applied_ns = max((int(d.get("applied_ns", 0)) for d in docs.values()),
+                                  default=0)
 
     def withdraw(self) -> None:
         """Advise-only mode: the plan was reported, not written; do not
@@ -163,14 +171,17 @@ class SkiRentalPolicy:
             r.compute_ms.clear()
 
     def _iteration(self, ev: dict) -> list[Decision]:
+        if ev["start_ns"] < self.applied_ns:
+            return []
         rank = int(ev["rank"])
-        r = self.ranks.setdefault(rank, _Rank(deque(maxlen=self.window),
-                                              deque(maxlen=self.window),
-                                              deque(maxlen=self.window)))
+        keep = 4 * self.window
+        r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),
+                                              deque(maxlen=keep)))
         r.dur_ms.append(ev["dur_ns"] / 1e6)
         r.compute_ms.append(ev["compute_ns"] / 1e6)
         r.last_ns = ev["start_ns"] + ev["dur_ns"]
         r.end_ns.append(r.last_ns)
+        self._now_ns = max(self._now_ns, r.last_ns)
         if rank != min(self.ranks):
             return []
         self._leader_starts[int(ev["index"])] = int(ev["start_ns"])
@@ -184,7 +195,9 @@ class SkiRentalPolicy:
             self.loss_ms += max(0.0, job_ms - self.healthy_ms)
         self.since_plan += 1
         if self.planned is not None:
-            if self.since_plan == 3 * self.window:
+            if self.since_plan >= 3 * self.window and not self.unapplied_said and \
+                    ev["start_ns"] - self.planned_ns > 10e9:
+                self.unapplied_said = True
                 return [Decision("none", f"plan not applied by every rank after "
                                          f"{self.since_plan} iterations: is the trainer "
                                          "reading the control file?", numbers=self._numbers())]
@@ -192,7 +205,7 @@ class SkiRentalPolicy:
         even_now = self.split is None or self._is_even(self.split)
         if (self.slow and even_now and self.healthy_ms and len(self.job_history) == self.window
                 and self.since_plan >= self.window
-                and self.recent_job_ms() <= self.healthy_ms * (1 + self.min_gain)):
+                and statistics.median(self.job_history) <= self.healthy_ms * (1 + self.min_gain)):
             self.slow = False        # back to healthy speed on the even split
             self.loss_ms = 0.0
             return []
@@ -200,7 +213,8 @@ class SkiRentalPolicy:
             self.pending = False
             return self._decide()
         if self.slow or (self.split is not None and not self._is_even(self.split)):
-            if self.since_plan >= self.window and self._full():
+            # Look again every 4 windows, over the samples since the plan.
+            if self.since_plan >= 4 * self.window and self._full(4 * self.window):
                 return self._decide()
         return []
 
@@ -209,8 +223,11 @@ class SkiRentalPolicy:
         return bool(self.ranks) and all(len(r.compute_ms) >= n for r in self.ranks.values())
 
     def recent_job_ms(self) -> float | None:
-        """Median job iteration time over the last `window` iterations."""
-        return statistics.median(self.job_history) if self.job_history else None
+        """Job iteration time over the current samples (since the onset of
+        a slowdown, or since the plan in force was applied): the median
+        over ranks of each rank's median."""
+        meds = [statistics.median(r.dur_ms) for r in self.ranks.values() if r.dur_ms]
+        return statistics.median(meds) if meds else None
 
     def job_ms(self) -> float | None:
         lasts = [r.dur_ms[-1] for r in self.ranks.values() if r.dur_ms]
@@ -252,14 +269,37 @@ class SkiRentalPolicy:
         return {"loss_ms": self.loss_ms, "healthy_ms": self.healthy_ms,
                 "current_ms": self.job_ms(), **extra}
 
-    def _per_microbatch(self, split: dict[int, int]) -> dict[int, float] | None:
+    def _samples(self, split: dict[int, int]) -> dict[int, list[float]] | None:
+        """dp rank -> its recent times per micro-batch (compute / count)."""
         dp_of = {rank: d.get("dp_rank", rank) for rank, d in self.announced.items()}
-        t = {}
+        out = {}
         for rank, r in self.ranks.items():
             dp = dp_of.get(rank, rank)
             if dp in split and r.compute_ms:
-                t[dp] = statistics.median(r.compute_ms) / split[dp]
-        return t if set(t) == set(split) else None
+                out[dp] = [max(c, 1e-6) / split[dp] for c in r.compute_ms]
+        return out if set(out) == set(split) else None
+
+    def _per_microbatch(self, split: dict[int, int]) -> dict[int, float] | None:
+        s = self._samples(split)
+        return None if s is None else {k: statistics.median(v) for k, v in s.items()}
+
+    def _significantly_slow(self, samples: dict[int, list[float]]) -> int | None:
+        """The rank that is slower at compute beyond noise: its median time
+        per micro-batch is `min_slower` (15%) over the other ranks' pooled
+        median, and at least 80% of its samples lie above that median.
+        Per-iteration samples vary by 10-30% on a busy node, and ranks differ
+        by a few percent for good (rank 0 often does a little more): neither
+        is a fail-slow worth a plan."""
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        worst = max(med, key=med.get)
+        others = [x for k, v in samples.items() if k != worst for x in v]
+        if not others:
+            return None
+        ref = statistics.median(others)
+        above = sum(x > ref for x in samples[worst]) / len(samples[worst])
+        if med[worst] > ref * (1 + self.min_slower) and above >= 0.8:
+            return worst
+        return None
 
     def _rebalance(self) -> Decision | None:
         self._why_not_rebalance = None
@@ -268,41 +308,43 @@ class SkiRentalPolicy:
             self._why_not_rebalance = ("the global micro-batch count is unknown (the trainer "
                                        "announces it through the control file, or --microbatches)")
             return None
-        t = self._per_microbatch(split)
-        if t is None:
+        samples = self._samples(split)
+        if samples is None:
             self._why_not_rebalance = "not every data-parallel rank is measured yet"
             return None
+        t = {k: statistics.median(v) for k, v in samples.items()}
         order = sorted(split)
-        times = [max(t[k], 1e-6) for k in order]
+        times = [t[k] for k in order]
         counts_now = [split[k] for k in order]
         total = sum(counts_now)
+        now_pred = max(n * x for n, x in zip(counts_now, times))
+        slowest = self._significantly_slow(samples)
+        if slowest is None:
+            if not self._is_even(split):
+                # The rank that was slow is not any more: back to even.
+                even = dict(zip(order, even_split(total, len(order))))
+                even_pred = max(even[k] * t[k] for k in order)
+                return self._plan(even, now_pred, even_pred, 0.0,
+                                  "no rank is slower at compute any more: back to the even split")
+            self._why_not_rebalance = ("no rank is slower at compute beyond noise: "
+                                       "rebalancing cannot help")
+            return None
         try:
             best = solve(times, total)
             solve_ms = best.solve_s * 1e3
         except RebalanceError as e:
             self._why_not_rebalance = f"no split: {e}"
             return None
-        now_pred = max(n * x for n, x in zip(counts_now, times))
         gain = now_pred / best.makespan - 1
         if self.last_plan == dict(zip(order, best.counts)) and self.planned is None \
                 and self.split != self.last_plan:
             return None          # advised already (advise-only mode): not again
-        # Hysteresis: a new split must be clearly better than the one running.
-        if gain < self.min_gain or list(best.counts) == counts_now:
-            # Back to even when even is as good (within noise) as what runs now.
-            if not self._is_even(split):
-                even = dict(zip(order, even_split(total, len(order))))
-                even_pred = max(even[k] * t[k] for k in order)
-                if even_pred <= now_pred * (1 + self.min_gain / 2):
-                    return self._plan(even, now_pred, even_pred, solve_ms,
-                                      "per-rank speeds are even again: back to the even split")
-            self._why_not_rebalance = (f"no rank is slower at compute: the best split gains "
-                                       f"{gain:.0%}, under {self.min_gain:.0%}")
+        # Hysteresis: a new split must be clearly better than the one running,
+        # twice as clearly when it only refines a plan already in force.
+        need = self.min_gain if self._is_even(split) else 2 * self.min_gain
+        if gain < need or list(best.counts) == counts_now:
+            self._why_not_rebalance = f"the best split gains {gain:.0%}, under {need:.0%}"
             return None
-        if list(best.counts) == even_split(total, len(order)) or \
-                sorted(best.counts, reverse=True) == even_split(total, len(order)):
-            return self._plan(dict(zip(order, best.counts)), now_pred, best.makespan, solve_ms,
-                              "per-rank speeds are even again: back to the even split")
         job_ms = self.job_ms() or now_pred
         iteration_ms = self.healthy_ms or job_ms
         cost_ms = iteration_ms + solve_ms
@@ -311,17 +353,18 @@ class SkiRentalPolicy:
             self._why_not_rebalance = (f"loss so far {self.loss_ms:.0f} ms is under the cost of a "
                                        f"rebalance ({cost_ms:.0f} ms): waiting")
             return None
-        slowest = order[max(range(len(order)), key=lambda i: times[i])]
         reason = (f"dp rank {slowest} takes {t[slowest]:.2f} ms per micro-batch against a median "
                   f"of {statistics.median(times):.2f}: rebalance")
         return self._plan(dict(zip(order, best.counts)), now_pred, best.makespan, solve_ms,
                           reason, cost_ms=cost_ms)
 
     def _plan(self, counts, now_pred, new_pred, solve_ms, reason, cost_ms=None) -> Decision:
-        job_ms = self.job_ms() or now_pred
+        job_ms = self.recent_job_ms() or now_pred
         # The solver predicts compute time; the iteration keeps its other parts.
         expected = max(0.0, job_ms - (now_pred - new_pred))
         self.planned = dict(counts)
+        self.planned_ns = self._now_ns
+        self.unapplied_said = False
         self.last_plan = dict(counts)
         self.said_none = True          # this slowdown has its answer
         return Decision("rebalance_microbatches", reason, expected,

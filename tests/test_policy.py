@@ -76,10 +76,10 @@ def test_rebalance_at_detection_then_back_to_even():
     assert pol.planned is None and pol.split == plan
     assert run(pol, job, 30) == []                      # stable: no flapping
     job.t[2] = 1.0                                      # the slowdown is lifted
-    d = run(pol, job, 12)
+    d = run(pol, job, 70)
     assert [x.strategy for x in d] == ["rebalance_microbatches"]
     assert sorted(d[0].plan["microbatches"].values()) == [8, 8, 8, 8]
-    assert "even" in d[0].reason
+    assert "even split" in d[0].reason
     job.split = dict(d[0].plan["microbatches"])
     pol.acks(acks(job))
     assert run(pol, job, 20) == [] and not pol.slow
@@ -92,7 +92,7 @@ def test_communication_slowdown_is_not_rebalanced():
     run(pol, job, 12)
     d = pol.observe(slowdown(job, 10.0, 15.0, 8, 11))
     assert [x.strategy for x in d] == ["none"]
-    assert "no rank is slower at compute" in d[0].reason
+    assert "no rank is slower at compute beyond noise" in d[0].reason
     assert run(pol, job, 30) == []                      # said once
 
 
@@ -113,12 +113,12 @@ def test_unknown_global_batch_says_so():
 
 
 def test_blip_shorter_than_cost_does_nothing():
-    job = Job([1.0, 1.0, 1.2, 1.0])
+    job = Job([1.0, 1.0, 1.3, 1.0])
     pol = SkiRentalPolicy(restart_estimate_s=60)
     pol.acks(acks(job, checkpoint=True))
     run(pol, job, 10)
     # Detected immediately (no loss yet): a rebalance costs ~one iteration.
-    d = pol.observe(slowdown(job, 10.0, 11.6, 10, 10))
+    d = pol.observe(slowdown(job, 10.0, 12.4, 10, 10))
     assert [x.strategy for x in d] == ["none"]
     assert "waiting" in d[0].reason
 
@@ -166,3 +166,25 @@ def test_pipeline_resplit_when_trainer_is_pipelined():
     assert len(pipe) == 1
     split = pipe[0].plan["layer_split"]
     assert sum(split) == 32 and split[1] < 8
+
+
+def test_noise_alone_never_rebalances():
+    # Per-iteration compute varies by +-25% on every rank (a busy node), and
+    # a job-level slowdown is reported: no rank stands out, so no plan, and
+    # none in the 500 iterations after it either.
+    import random
+    rng = random.Random(1)
+    pol = SkiRentalPolicy()
+    split = dict(enumerate(even_split(32, 4)))
+    pol.acks({r: {"rank": r, "dp_rank": r, "seq": 0, "microbatches": n} for r, n in split.items()})
+    out = []
+    for i in range(600):
+        if i == 50:
+            out += pol.observe({"kind": "slowdown", "scope": "job", "index": 40,
+                                "detected_index": 48, "before_ms": 10.0, "after_ms": 11.5})
+        for r in range(4):
+            c = 8.0 * rng.uniform(0.75, 1.25)
+            out += pol.observe({"kind": "iteration", "rank": r, "index": i, "start_ns": i * 10**7,
+                                "dur_ns": 10**7, "compute_ns": int(c * 1e6),
+                                "comm_ns": int((10 - c) * 1e6)})
+    assert [d.strategy for d in out] == ["none"]
