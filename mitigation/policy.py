@@ -212,8 +212,13 @@ class SkiRentalPolicy:
         if self.pending and self._full(3):
             self.pending = False
             return self._decide()
-        if self.slow or (self.split is not None and not self._is_even(self.split)):
-            # Look again every 4 windows, over the samples since the plan.
+        if self.slow and even_now:
+            # Slow and nothing done yet: look again every window.
+            if self.since_plan >= self.window and self._full(self.window):
+                return self._decide()
+        elif not even_now:
+            # A plan in force: look again every 4 windows, over the samples
+            # taken since it was applied.
             if self.since_plan >= 4 * self.window and self._full(4 * self.window):
                 return self._decide()
         return []

@@ -1,0 +1,76 @@
+"""Live, end to end: `attach --mitigate` on a real gloo DDP job. One rank
+gets a third of a CPU (cgroup quota): the tool detects it, writes a
+rebalancing plan, the trainer applies it (ack -> `applied`), the slow rank
+runs fewer micro-batches and the global batch is kept; when the quota is
+lifted the policy returns to the even split. Advise-only mode reports a
+plan without writing the control file."""
+import time
+
+import pytest
+
+from conftest import wait_for
+from greyhound_bpf.inject import CpuQuota
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+TRAIN = ("--microbatches", "8", "--mb-size", "256", "--hidden", "128", "--layers", "3",
+         "--bucket-mb", "25")
+
+
+def plans(t):
+    return [e for e in t.events("action") if e.get("plan", {}).get("microbatches")]
+
+
+def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
+    ctl = tmp_path / "ctl.json"
+    job = ddp_job(2, 0, *TRAIN, "--control-file", str(ctl), go=False)
+    wait_for(lambda: len(job.truth_records()) >= 20, 90, "the job to train")
+    t = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate")
+    rank1 = next(r["pid"] for r in t.wait_attached(2) if r["rank"] == 1)
+    wait_for(lambda: len([e for e in t.events("iteration") if e["rank"] == 0]) >= 60, 120,
+             "60 healthy iterations", interval=0.5)
+    with CpuQuota(rank1, 0.3):
+        inject_ns = time.time_ns()
+        applied = wait_for(lambda: [e for e in t.events("applied") if e["time_ns"] > inject_ns],
+                           120, "a plan applied", interval=0.5)[0]
+        plan = next(p for p in plans(t) if p["seq"] == applied["seq"])
+        counts = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
+        assert counts[1] < counts[0] and sum(counts.values()) == 16
+        assert plan["mode"] == "mitigate" and plan["expected_ms"] > 0
+        assert plan["loss_ms"] >= plan["cost_ms"]             # the ski-rental rule held
+        wait_for(lambda: [r for r in job.truth_records() if r["rank"] == 1
+                          and r["microbatches"] < 8 and r["start_ns"] > applied["time_ns"]],
+                 60, "rank 1 to run fewer micro-batches")
+        outcome = wait_for(lambda: [e for e in t.events("action")
+                                    if e.get("phase") == "outcome"], 60, "an outcome")[0]
+        assert outcome["achieved_ms"] > 0
+        lift_ns = time.time_ns()
+    even = wait_for(lambda: [p for p in plans(t) if p["time_ns"] > lift_ns and
+                             set(p["plan"]["microbatches"].values()) == {8}], 120,
+                    "the even split after the lift", interval=0.5)[0]
+    wait_for(lambda: [e for e in t.events("applied") if e["seq"] == even["seq"]], 60,
+             "the even split applied")
+    assert t.stop() == 0
+    # Every step of the job kept the global batch of 16 micro-batches.
+    by_step = {}
+    for r in job.truth_records():
+        by_step.setdefault(r["index"], {})[r["rank"]] = r["microbatches"]
+    assert all(sum(v.values()) == 16 for v in by_step.values() if len(v) == 2)
+    assert "PLAN" in t.output() and "APPLIED" in t.output()
+
+
+def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
+    ctl = tmp_path / "ctl.json"
+    job = ddp_job(2, 0, *TRAIN, "--control-file", str(ctl), go=False)
+    wait_for(lambda: len(job.truth_records()) >= 20, 90, "the job to train")
+    t = tracer([job.proc.pid], "-q", "--control-file", str(ctl))
+    rank1 = next(r["pid"] for r in t.wait_attached(2) if r["rank"] == 1)
+    wait_for(lambda: len([e for e in t.events("iteration") if e["rank"] == 0]) >= 60, 120,
+             "60 healthy iterations", interval=0.5)
+    with CpuQuota(rank1, 0.3):
+        advice = wait_for(lambda: plans(t), 120, "a plan reported", interval=0.5)[0]
+    assert t.stop() == 0
+    assert advice["mode"] == "advise" and advice["seq"] is None
+    assert not ctl.exists()                                   # nothing written
+    assert {r["microbatches"] for r in job.truth_records()} == {8}
+    assert "ADVICE" in t.output()
