@@ -27,6 +27,18 @@ examples:
   greyhound-trace replay run.jsonl --no-iterations --threshold 0.2
 """
 
+EPILOG_INJECT = """\
+examples:
+  sudo greyhound-trace inject compute --pid 4242 --quota 0.5 --for 60
+  sudo greyhound-trace inject link --dev eth1 --rate 400mbit      # until Ctrl-C
+  sudo greyhound-trace inject gpu-clock --gpu 3 --mhz 900 --for 120
+  sudo greyhound-trace inject --undo-all       # clean up after a killed inject
+
+An injection lasts while the command runs: it is undone when --for expires,
+on Ctrl-C and on SIGTERM. Only SIGKILL can leave one behind; --undo-all
+removes it.
+"""
+
 EPILOG_CHECK = """\
 examples:
   greyhound-trace check                # can this machine trace?
@@ -124,6 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--threshold", type=_positive, default=0.10, metavar="F")
     r.add_argument("--min-probability", type=_probability, default=0.9, metavar="P")
 
+    inj = sub.add_parser("inject", help="slow a rank, link or GPU down on purpose (needs root)",
+                         description="Inject a fail-slow for real, to check that your setup\n"
+                                     "detects and mitigates it before you rely on it.",
+                         epilog=EPILOG_INJECT,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    inj.add_argument("--undo-all", action="store_true",
+                     help="undo every injection left behind (cgroups, qdiscs, GPU clocks)")
+    isub = inj.add_subparsers(dest="fault", metavar="FAULT")
+    ic = isub.add_parser("compute", help="lower a process's CPU quota (cgroup v1)")
+    ic.add_argument("--pid", type=_pid, required=True, help="the process (a rank)")
+    ic.add_argument("--quota", type=_positive, required=True, metavar="CPUS",
+                    help="CPUs it may use, e.g. 0.5")
+    il = isub.add_parser("link", help="rate-limit a network interface (tc tbf)")
+    il.add_argument("--dev", required=True, metavar="IFACE", help="the interface, e.g. eth1")
+    il.add_argument("--rate", required=True, metavar="RATE", help="e.g. 400mbit, 1gbit")
+    ig = isub.add_parser("gpu-clock", help="lock a GPU's clock (NVML)")
+    ig.add_argument("--gpu", type=int, required=True, metavar="N", help="GPU index")
+    ig.add_argument("--mhz", type=int, required=True, metavar="F", help="clock in MHz")
+    for q in (ic, il, ig):
+        q.add_argument("--for", dest="seconds", type=_positive, metavar="S",
+                       help="undo after S seconds (default: on Ctrl-C or SIGTERM)")
+
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
                        description="Check every requirement of `attach` and print the fix\n"
                                    "for each one that fails. Exit 0 when tracing can work.",
@@ -169,6 +203,53 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_inject(args) -> int:
+    import os
+    import signal
+    import time
+    from . import inject
+    if os.geteuid() != 0:
+        raise GreyhoundError("inject needs root (cgroups, tc, NVML clocks): run it with sudo",
+                             exit_code=1)
+    if args.undo_all:
+        done = inject.undo_all()
+        for what in done:
+            print(f"greyhound-trace: undid {what}")
+        if not done:
+            print("greyhound-trace: nothing to undo")
+        return 0
+    if args.fault is None:
+        raise GreyhoundError("name a fault (compute, link, gpu-clock) or --undo-all")
+    if args.fault == "compute":
+        fault, what = inject.CpuQuota(args.pid, args.quota), f"pid {args.pid} limited to " \
+                                                              f"{args.quota:g} CPU"
+    elif args.fault == "link":
+        fault, what = inject.LinkRate(args.dev, args.rate), f"{args.dev} limited to {args.rate}"
+    else:
+        fault, what = inject.GpuClock(args.gpu, args.mhz), f"GPU {args.gpu} locked at " \
+                                                            f"{args.mhz} MHz"
+    stop = []
+    old = {sig: signal.signal(sig, lambda s, f: stop.append(s))
+           for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    deadline = time.monotonic() + args.seconds if args.seconds else None
+    try:
+        fault.apply()
+        until = f"for {args.seconds:g} s" if deadline else "until Ctrl-C"
+        print(f"greyhound-trace: {what} {until}", flush=True)
+        while not stop and (deadline is None or time.monotonic() < deadline):
+            if args.fault == "compute" and not os.path.exists(f"/proc/{args.pid}"):
+                print(f"greyhound-trace: pid {args.pid} exited", flush=True)
+                break
+            time.sleep(0.1)
+    finally:
+        fault.undo()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    print(f"greyhound-trace: undone ({what.split(' limited')[0].split(' locked')[0]} "
+          "restored)", flush=True)
+    return 0
+
+
 def cmd_check(args) -> int:
     from rich.console import Console
     from .check import exit_code, render, run_checks
@@ -186,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"attach": cmd_attach, "replay": cmd_replay,
-                "check": cmd_check}[args.command](args)
+        return {"attach": cmd_attach, "replay": cmd_replay, "check": cmd_check,
+                "inject": cmd_inject}[args.command](args)
     except GreyhoundError as e:
         print(f"greyhound-trace: error: {e}", file=sys.stderr)
         return e.exit_code

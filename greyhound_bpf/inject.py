@@ -1,20 +1,31 @@
-"""Fault injection: slow a process down for real, and undo it.
+"""Fault injection: slow a process, a link or a GPU down for real, and undo it.
 
-``CpuQuota`` puts a process in a cgroup v1 CPU group of its own with a CFS
-quota (the CPU analogue of locking a GPU's clock). It is a context manager
-and also has explicit apply()/undo(); undo() moves the process back and
-removes the group, so nothing is left behind.
+- ``CpuQuota`` puts a process in a cgroup v1 CPU group of its own with a
+  CFS quota (the CPU analogue of locking a GPU's clock).
+- ``LinkRate`` puts a tbf rate limit on a network interface (this kernel has
+  no netem), as competing traffic on a link would.
+- ``GpuClock`` locks a GPU's clock through NVML, where the driver allows it.
+
+Each is a context manager with explicit apply()/undo(); undo() restores what
+was there. While applied, each keeps a small state file under STATE_DIR so
+that `greyhound-trace inject --undo-all` can clean up after a process that
+was killed before it could undo (``undo_all``).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
 from . import GreyhoundError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+STATE_DIR = Path(os.environ.get("GREYHOUND_STATE_DIR", "/run/greyhound/inject"))
+# The tbf qdisc's handle ("gh"): how undo_all recognises our qdiscs.
+TBF_HANDLE = "6768:"
 GROUP_PREFIX = "greyhound-"
 # CFS enforces the quota per period. With the default 100 ms period a rank
 # whose iterations take 10 ms runs unthrottled for a few iterations and then
@@ -67,18 +78,16 @@ class CpuQuota:
                 (self.group / "tasks").write_text(str(tid))
             except OSError:
                 pass   # exited meanwhile
+        _save_state(self.group.name, {"kind": "compute", "group": str(self.group),
+                                      "origin": str(self._origin), "pid": self.pid})
         return self
 
     def undo(self) -> None:
         if not self.group.exists():
             return
         back = self._origin if self._origin and self._origin.exists() else self.root
-        for tid in (self.group / "tasks").read_text().split():
-            try:
-                (back / "tasks").write_text(tid)
-            except OSError:
-                pass
-        self.group.rmdir()
+        _empty_group(self.group, back)
+        _drop_state(self.group.name)
 
     def __enter__(self) -> "CpuQuota":
         return self.apply()
@@ -89,3 +98,179 @@ class CpuQuota:
 
 def leftover_groups(root: Path = CPU_ROOT) -> list[Path]:
     return sorted(root.glob(f"{GROUP_PREFIX}*")) if root.exists() else []
+
+
+def _empty_group(group: Path, back: Path) -> None:
+    for tid in (group / "tasks").read_text().split():
+        try:
+            (back / "tasks").write_text(tid)
+        except OSError:
+            pass   # exited meanwhile
+    group.rmdir()
+
+
+def _save_state(name: str, doc: dict) -> None:
+    try:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        (STATE_DIR / f"{name}.json").write_text(json.dumps(doc))
+    except OSError:
+        pass       # undo_all also finds leftovers without it
+
+
+def _drop_state(name: str) -> None:
+    try:
+        (STATE_DIR / f"{name}.json").unlink()
+    except OSError:
+        pass
+
+
+def _tc(*args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["tc", *args], capture_output=True, text=True, timeout=10)
+    except FileNotFoundError:
+        raise GreyhoundError("`tc` is not installed (apt install iproute2)", exit_code=1) from None
+
+
+def parse_rate(text: str) -> int:
+    """'400mbit' -> bits per second (tc's units: bit, kbit, mbit, gbit)."""
+    t = text.strip().lower()
+    for unit, mult in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if t.endswith(unit):
+            num = t[: -len(unit)]
+            break
+    else:
+        num, mult = t, 1
+    try:
+        v = float(num) * mult
+    except ValueError:
+        raise GreyhoundError(f"not a rate: {text!r} (for example 400mbit)") from None
+    if v < 8_000:
+        raise GreyhoundError(f"rate {text!r} is below 8kbit")
+    return int(v)
+
+
+class LinkRate:
+    """A tbf rate limit as the root qdisc of `dev`. Refuses to replace a
+    root qdisc someone configured (anything but the kernel's default)."""
+
+    def __init__(self, dev: str, rate: str):
+        if not Path(f"/sys/class/net/{dev}").exists():
+            raise GreyhoundError(f"no network interface {dev!r} (see `ip link`)")
+        self.dev, self.bits = dev, parse_rate(rate)
+        self.name = f"link-{dev}"
+
+    def _root(self) -> str:
+        out = _tc("qdisc", "show", "dev", self.dev, "root").stdout.strip()
+        return out.splitlines()[0] if out else ""
+
+    def apply(self) -> "LinkRate":
+        root = self._root()
+        if root and TBF_HANDLE not in root and not any(
+                root.startswith(f"qdisc {q} ") for q in ("noqueue", "pfifo_fast", "fq_codel",
+                                                        "mq", "noop", "fq")):
+            raise GreyhoundError(f"{self.dev} already has a configured root qdisc ({root}); "
+                                 "not replacing it")
+        # Burst: at least one MTU-sized packet and ~1 ms at the rate.
+        burst = max(16_384, self.bits // 8 // 1000)
+        r = _tc("qdisc", "replace", "dev", self.dev, "root", "handle", TBF_HANDLE, "tbf",
+                "rate", f"{self.bits}bit", "burst", str(burst), "latency", "50ms")
+        if r.returncode != 0:
+            raise GreyhoundError(f"tc could not limit {self.dev}: {r.stderr.strip()}",
+                                 exit_code=1)
+        _save_state(self.name, {"kind": "link", "dev": self.dev})
+        return self
+
+    def undo(self) -> None:
+        if TBF_HANDLE in self._root():
+            _tc("qdisc", "del", "dev", self.dev, "root", "handle", TBF_HANDLE)
+        _drop_state(self.name)
+
+    def __enter__(self) -> "LinkRate":
+        return self.apply()
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+class GpuClock:
+    """Lock GPU `index` to `mhz` through NVML (nvmlDeviceSetGpuLockedClocks);
+    undo() resets the locked clocks. Needs the NVIDIA driver and, on most
+    boards, root."""
+
+    def __init__(self, index: int, mhz: int):
+        if mhz <= 0:
+            raise GreyhoundError(f"clock must be positive MHz, not {mhz}")
+        self.index, self.mhz = index, mhz
+        self.name = f"gpu-{index}"
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+        except Exception as e:     # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            raise GreyhoundError(f"cannot lock GPU clocks here: NVML is not available ({e}); "
+                                 "this needs an NVIDIA GPU and its driver", exit_code=1) from None
+        self.nvml = pynvml
+        n = pynvml.nvmlDeviceGetCount()
+        if not 0 <= index < n:
+            raise GreyhoundError(f"no GPU {index}: this machine has {n}")
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    def apply(self) -> "GpuClock":
+        try:
+            self.nvml.nvmlDeviceSetGpuLockedClocks(self.handle, self.mhz, self.mhz)
+        except self.nvml.NVMLError as e:
+            raise GreyhoundError(f"the driver refused to lock GPU {self.index} at {self.mhz} MHz "
+                                 f"({e}); locked clocks need root and a board that supports "
+                                 "them (Volta or newer)", exit_code=1) from None
+        _save_state(self.name, {"kind": "gpu-clock", "gpu": self.index})
+        return self
+
+    def undo(self) -> None:
+        try:
+            self.nvml.nvmlDeviceResetGpuLockedClocks(self.handle)
+        except self.nvml.NVMLError:
+            pass
+        _drop_state(self.name)
+
+    def __enter__(self) -> "GpuClock":
+        return self.apply()
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def undo_all(root: Path = CPU_ROOT) -> list[str]:
+    """Undo every injection left behind: greyhound cgroups (their tasks go
+    back to the group they came from, or the root), tbf qdiscs with our
+    handle on any interface, GPU clocks we locked. Returns what was undone."""
+    done = []
+    states = {}
+    if STATE_DIR.is_dir():
+        for f in STATE_DIR.glob("*.json"):
+            try:
+                states[f.stem] = json.loads(f.read_text())
+            except (OSError, ValueError):
+                pass
+    for group in leftover_groups(root):
+        origin = Path(states.get(group.name, {}).get("origin") or root)
+        try:
+            _empty_group(group, origin if origin.exists() else root)
+            done.append(f"cgroup {group}")
+        except OSError as e:
+            done.append(f"cgroup {group}: could not remove ({e})")
+        _drop_state(group.name)
+    for dev in sorted(p.name for p in Path("/sys/class/net").iterdir()):
+        out = _tc("qdisc", "show", "dev", dev, "root").stdout
+        if f"qdisc tbf {TBF_HANDLE}" in out:
+            _tc("qdisc", "del", "dev", dev, "root", "handle", TBF_HANDLE)
+            done.append(f"tbf on {dev}")
+        _drop_state(f"link-{dev}")
+    for name, st in states.items():
+        if st.get("kind") == "gpu-clock":
+            try:
+                g = GpuClock(int(st["gpu"]), 1)
+                g.undo()
+                done.append(f"GPU {st['gpu']} clocks reset")
+            except GreyhoundError as e:
+                done.append(f"GPU {st['gpu']}: {e}")
+            _drop_state(name)
+    return done
