@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--min-probability", type=_probability, default=0.9, metavar="P",
                    help="change probability a slowdown needs (default 0.9)")
 
+    a.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
+    a.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address for --metrics-port (default loopback)")
+
     m = a.add_argument_group("mitigation (advise only unless --mitigate)")
     m.add_argument("--control-file", metavar="PATH",
                    help="the control file the training script follows (mitigation.control); "
@@ -184,7 +189,8 @@ def cmd_attach(args) -> int:
         count_launches=args.count_launches, job=args.job, threshold=args.threshold,
         min_probability=args.min_probability, control_file=args.control_file,
         mitigate=args.mitigate, microbatches=args.microbatches,
-        restart_estimate_s=args.restart_cost)
+        restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
     return AttachSession(opts).run()

@@ -56,6 +56,8 @@ class AttachOptions:
     mitigate: bool = False
     microbatches: int | None = None
     restart_estimate_s: float = 60.0
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
 
 
 def has_bpf_privileges() -> bool:
@@ -110,6 +112,7 @@ class AttachSession:
         self.discovery = Discovery(opts.pids, self.catalog)
         self.tracer: Tracer | None = None
         self.stats = CallStats(self.catalog)
+        self._fn_names = [fn.name for fn in self.catalog.functions]
         self.pipeline = JobPipeline(self.catalog, threshold=opts.threshold,
                                     min_probability=opts.min_probability)
         self.known: dict[int, Target] = {}
@@ -130,6 +133,7 @@ class AttachSession:
         from mitigation.policy import SkiRentalPolicy
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
                                       restart_estimate_s=opts.restart_estimate_s)
+        self.metrics = None
         self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
         self.outcome_due: dict | None = None       # applied, its effect not measured yet
 
@@ -177,6 +181,11 @@ class AttachSession:
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.monotonic()
         try:
+            if self.opts.metrics_port is not None:
+                from .metrics import Metrics
+                self.metrics = Metrics(self.opts.metrics_port, self.opts.metrics_addr)
+                self.sinks.append(self.metrics)
+                self.say(f"metrics on http://{self.opts.metrics_addr}:{self.metrics.port}/metrics")
             from .engine import warm_up
             warm_up()          # from the Numba cache; compiles only on a cold one
             self.tracer.load()
@@ -199,6 +208,8 @@ class AttachSession:
                 self.tracer.close()
             if self.writer:
                 self.writer.close()
+            if self.metrics:
+                self.metrics.close()
         return 0
 
     def _on_signal(self, signum, frame) -> None:
@@ -283,6 +294,8 @@ class AttachSession:
             return
         self.stats.add(recs)
         ranks = {pid: t.rank for pid, t in self.known.items()}
+        if self.metrics:
+            self.metrics.count_calls(recs, ranks, self._fn_names)
         for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
             ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":

@@ -1,0 +1,73 @@
+"""Prometheus metrics (`attach --metrics-port PORT`), served with
+prometheus-client on loopback by default. Fed by the same events as every
+other consumer, plus per-call counts from the tracer's batches.
+
+    greyhound_iteration_seconds{rank}      last iteration time of each rank
+    greyhound_calls_total{rank,fn}         probed calls
+    greyhound_lost_records_total           records the ring buffer dropped
+    greyhound_slowdown_active              1 while the job is slowed down
+    greyhound_straggler{rank}              1 while that rank is slowed down
+    greyhound_plan_seq                     seq of the last plan written
+    greyhound_actions_total{strategy,mode} decisions of the policy
+"""
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from . import GreyhoundError
+
+
+class Metrics:
+    def __init__(self, port: int, addr: str = "127.0.0.1"):
+        self.registry = r = CollectorRegistry()
+        self.iteration = Gauge("greyhound_iteration_seconds", "Last iteration time of a rank",
+                               ["rank"], registry=r)
+        self.calls = Counter("greyhound_calls", "Probed calls", ["rank", "fn"], registry=r)
+        self.lost = Counter("greyhound_lost_records", "Records dropped by the ring buffer",
+                            registry=r)
+        self.slow = Gauge("greyhound_slowdown_active", "1 while the job is slowed down",
+                          registry=r)
+        self.straggler = Gauge("greyhound_straggler", "1 while a rank is slowed down", ["rank"],
+                               registry=r)
+        self.plan_seq = Gauge("greyhound_plan_seq", "seq of the last plan written", registry=r)
+        self.actions = Counter("greyhound_actions", "Policy decisions", ["strategy", "mode"],
+                               registry=r)
+        try:
+            self.server, self.thread = start_http_server(port, addr=addr, registry=r)
+        except OSError as e:
+            raise GreyhoundError(f"--metrics-port {port}: cannot listen on {addr}:{port} ({e})",
+                                 exit_code=1) from None
+        self.port = self.server.server_port
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def count_calls(self, recs: np.ndarray, rank_of: dict[int, int | None], names: list[str]):
+        if len(recs) == 0:
+            return
+        keys, counts = np.unique(np.stack([recs["pid"].astype(np.int64),
+                                           recs["fn"].astype(np.int64)], axis=1),
+                                 axis=0, return_counts=True)
+        for (pid, fn), n in zip(keys.tolist(), counts.tolist()):
+            rank = rank_of.get(pid)
+            self.calls.labels(rank="-" if rank is None else str(rank), fn=names[fn]).inc(n)
+
+    def __call__(self, ev: dict) -> None:
+        kind = ev["kind"]
+        if kind == "iteration":
+            self.iteration.labels(rank=str(ev["rank"])).set(ev["dur_ns"] / 1e9)
+            self.straggler.labels(rank=str(ev["rank"]))      # every rank appears, at 0
+        elif kind in ("slowdown", "recovery"):
+            v = 1 if kind == "slowdown" else 0
+            if ev.get("scope") == "job":
+                self.slow.set(v)
+            elif ev.get("rank") is not None:
+                self.straggler.labels(rank=str(ev["rank"])).set(v)
+        elif kind == "lost":
+            self.lost.inc(ev["count"])
+        elif kind == "action" and ev.get("phase") != "outcome":
+            self.actions.labels(strategy=ev["strategy"], mode=ev["mode"]).inc()
+            if ev.get("seq") is not None:
+                self.plan_seq.set(ev["seq"])

@@ -1,0 +1,63 @@
+"""Prometheus metrics, scraped over real HTTP while attached to a real gloo
+DDP job; the port is released when the tracer stops."""
+import socket
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port, run_cli, wait_for
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_scrape_while_attached(ddp_job, tracer):
+    job = ddp_job(2, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
+    port = free_port()
+    t = tracer([job.proc.pid], "-q", "--metrics-port", str(port))
+    t.wait_attached(2)
+
+    def ready():
+        m = scrape(port)
+        its = [v for (n, lab), v in m.items() if n == "greyhound_iteration_seconds"]
+        return m if len(its) == 2 else None
+    m = wait_for(ready, 90, "iteration metrics for both ranks", interval=0.5)
+    for rank in ("0", "1"):
+        assert 0 < m[("greyhound_iteration_seconds", (("rank", rank),))] < 5
+        assert m[("greyhound_calls_total", (("fn", "gloo::allreduce"), ("rank", rank)))] > 0
+        assert m[("greyhound_straggler", (("rank", rank),))] == 0
+    assert m[("greyhound_lost_records_total", ())] == 0
+    assert m[("greyhound_slowdown_active", ())] == 0
+    assert ("greyhound_plan_seq", ()) in m
+    # Counters grow between scrapes.
+    key = ("greyhound_calls_total", (("fn", "gloo::allreduce"), ("rank", "0")))
+    first = m[key]
+    wait_for(lambda: scrape(port)[key] > first, 30, "more calls")
+    assert f"127.0.0.1:{port}" in t.output()
+    assert t.stop() == 0
+    with socket.socket() as s:                     # nobody listens on the port any more
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (TIME_WAIT is fine)
+        s.bind(("127.0.0.1", port))
+
+
+def test_port_in_use_is_one_line(ddp_job):
+    job = ddp_job(1, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 1, 90, "the job to start")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = run_cli("attach", str(job.proc.pid), "--metrics-port", str(s.getsockname()[1]),
+                    "--duration", "2")
+    assert r.returncode == 1 and "cannot listen" in r.stderr
+    assert "Traceback" not in r.stderr
