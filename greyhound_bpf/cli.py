@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--count-launches", action="store_true",
                    help="count cudaLaunchKernel per process, in the kernel")
     a.add_argument("-q", "--quiet", action="store_true", help="no interval summaries")
+    a.add_argument("--no-tui", action="store_true",
+                   help="plain text lines even on a terminal (the live view is the default "
+                        "when stdout is a terminal and --json is not -)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
     a.add_argument("--threshold", type=_positive, default=0.10, metavar="F",
@@ -190,7 +193,8 @@ def cmd_attach(args) -> int:
         min_probability=args.min_probability, control_file=args.control_file,
         mitigate=args.mitigate, microbatches=args.microbatches,
         restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr)
+        metrics_addr=args.metrics_addr,
+        tui=sys.stdout.isatty() and args.json != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
     return AttachSession(opts).run()

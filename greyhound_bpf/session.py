@@ -36,6 +36,8 @@ LOST_CHECK_S = 0.5
 POLL_MS = 200
 # How often the JSON stream is flushed to its file.
 FLUSH_S = 0.5
+# How often the live view is redrawn.
+VIEW_S = 0.25
 
 
 @dataclass
@@ -56,6 +58,7 @@ class AttachOptions:
     mitigate: bool = False
     microbatches: int | None = None
     restart_estimate_s: float = 60.0
+    tui: bool = False
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
 
@@ -134,6 +137,11 @@ class AttachSession:
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
                                       restart_estimate_s=opts.restart_estimate_s)
         self.metrics = None
+        self.live = None                           # rich.live.Live while the TUI runs
+        self.tui_state = None
+        self._rates: dict[int, tuple[float, int]] = {}   # pid -> (time, calls) at last view
+        self._calls_total = (0.0, 0)
+        self.exited_pids: set[int] = set()
         self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
         self.outcome_due: dict | None = None       # applied, its effect not measured yet
 
@@ -152,7 +160,16 @@ class AttachSession:
         return ev
 
     def say(self, msg: str) -> None:
+        if self.live is not None:
+            self.tui_state.note(msg)          # the live view's event log
+            return
         print(f"greyhound-trace: {msg}", file=self.err, flush=True)
+
+    def tell(self, line: str) -> None:
+        """An engine/policy event line for the text output (the live view
+        logs the events themselves)."""
+        if self.live is None:
+            print(line, file=self.text_out, flush=True)
 
     # -- preflight -----------------------------------------------------------
 
@@ -188,6 +205,8 @@ class AttachSession:
                 self.say(f"metrics on http://{self.opts.metrics_addr}:{self.metrics.port}/metrics")
             from .engine import warm_up
             warm_up()          # from the Numba cache; compiles only on a cold one
+            if self.opts.tui:
+                self._start_tui()
             self.tracer.load()
             new, _, _ = self._initial_scan
             self._attach_targets(new, first=True)
@@ -200,6 +219,9 @@ class AttachSession:
             self.emit("detach", reason="error", error=str(e))
             raise
         finally:
+            if self.live is not None:
+                self.live.stop()              # the summary prints below the last view
+                self.live = None
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if self.stop_reason != "error":
@@ -219,6 +241,7 @@ class AttachSession:
         next_scan = t0 + SCAN_INTERVAL_S
         next_lost = t0 + LOST_CHECK_S
         next_flush = t0 + FLUSH_S
+        next_view = t0
         next_summary = t0 + self.opts.interval if self.opts.interval else None
         summaries = 0
         deadline = t0 + self.opts.duration if self.opts.duration else None
@@ -232,7 +255,12 @@ class AttachSession:
             if now >= next_scan:
                 self._rescan()
                 next_scan = now + SCAN_INTERVAL_S
-            if next_summary and now >= next_summary and not self.stop_reason:
+            if self.live is not None and now >= next_view:
+                from .tui import render
+                self.live.update(render(self._snapshot(now - t0)), refresh=True)
+                next_view = now + VIEW_S
+            if (next_summary and now >= next_summary and not self.stop_reason
+                    and self.live is None):
                 print(self.stats.format_interval(self.pipeline.rank_view), file=self.text_out,
                       flush=True)
                 summaries += 1
@@ -268,6 +296,7 @@ class AttachSession:
     def _rescan(self) -> None:
         new, exited, grown = self.discovery.scan()
         for t in exited:
+            self.exited_pids.add(t.pid)
             self.tracer.detach(t.pid)
             self.emit("exit", pid=t.pid, rank=t.rank)
             self.say(f"pid {t.pid} (rank {'-' if t.rank is None else t.rank}) exited")
@@ -299,7 +328,7 @@ class AttachSession:
         for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
             ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":
-                print(describe_engine_event(kind, fields), file=self.text_out, flush=True)
+                self.tell(describe_engine_event(kind, fields))
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
@@ -312,6 +341,57 @@ class AttachSession:
             self.emit("call", rank=t.rank if t else None, pid=pid, tid=int(r["tid"]),
                       fn=fn.name, start_ns=int(r["start_ns"]) + offset, dur_ns=int(r["dur_ns"]),
                       **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
+
+    # -- live view -----------------------------------------------------------
+
+    def _start_tui(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from .tui import TuiState, render
+        self.tui_state = TuiState()
+        self.sinks.append(self.tui_state)
+        console = Console(file=self.text_out)
+        self.live = Live(render(self._snapshot(0.0, console.width)), console=console,
+                         auto_refresh=False, transient=False, redirect_stdout=False,
+                         redirect_stderr=False)
+        self.live.start()
+
+    def _snapshot(self, elapsed: float, width: int | None = None):
+        from .tui import RankRow, Snapshot
+        now = time.monotonic()
+        rows = []
+        stragglers = self.tui_state.stragglers
+        named = self.policy.straggler
+        total = 0
+        for rs in self.stats._sorted():
+            calls = sum(f.count for f in rs.fns.values())
+            total += calls
+            t_prev, c_prev = self._rates.get(rs.pid, (now, calls))
+            rate = (calls - c_prev) / (now - t_prev) if now > t_prev else 0.0
+            if now - t_prev >= 1.0 or rs.pid not in self._rates:
+                self._rates[rs.pid] = (now, calls)
+            v = self.pipeline.rank_view(rs.pid)
+            state = v["state"]
+            if rs.pid in self.exited_pids:
+                state = "exited"
+            elif rs.rank is not None and rs.rank == named:
+                state = "straggler"
+            elif rs.rank in stragglers and state == "ok":
+                state = "slow"
+            rows.append(RankRow(rs.rank, rs.pid, rs.comm, v["iter_ms"], v["comm_frac"],
+                                max(rate, 0.0), state))
+        t_prev, c_prev = self._calls_total
+        ev_rate = (total - c_prev) / (now - t_prev) if t_prev and now > t_prev else 0.0
+        if not t_prev or now - t_prev >= 1.0:
+            self._calls_total = (now, total)
+        probes = sum(len(ps) for ps in self.tracer.probes.values()) if self.tracer else 0
+        return Snapshot(job=self.job, elapsed_s=elapsed, probes=probes,
+                        events_per_s=max(ev_rate, 0.0), lost=self.lost_reported,
+                        ranks=tuple(rows), history=tuple(self.tui_state.history),
+                        marks=self.tui_state.marks_in_history(),
+                        log=tuple(self.tui_state.log),
+                        mode="mitigate" if self.opts.mitigate else "advise",
+                        width=width or (self.live.console.width if self.live else 80))
 
     # -- mitigation ----------------------------------------------------------
 
@@ -335,7 +415,7 @@ class AttachSession:
             f = d.fields()
             out = self.emit("action", seq=seq, mode="mitigate" if self.opts.mitigate
                             else "advise", **f)
-            print(describe_engine_event("action", out), file=self.text_out, flush=True)
+            self.tell(describe_engine_event("action", out))
         due = self.outcome_due
         if (due and ev["kind"] == "iteration" and self.policy.since_plan >= self.policy.window
                 and self.policy.recent_job_ms() is not None):
@@ -343,7 +423,7 @@ class AttachSession:
             out = self.emit("action", phase="outcome", seq=due["seq"], strategy=due["strategy"],
                             expected_ms=due["expected_ms"],
                             achieved_ms=round(self.policy.recent_job_ms(), 3))
-            print(describe_engine_event("action", out), file=self.text_out, flush=True)
+            self.tell(describe_engine_event("action", out))
 
     def _read_acks(self) -> None:
         if self.control is None:
@@ -359,7 +439,7 @@ class AttachSession:
             self.pending_plan = None
             after_ms = (time.monotonic() - p["issued"]) * 1e3
             ev = self.emit("applied", seq=p["seq"], ranks=done, after_ms=round(after_ms, 1))
-            print(describe_engine_event("applied", ev), file=self.text_out, flush=True)
+            self.tell(describe_engine_event("applied", ev))
             if p["strategy"] == "rebalance_microbatches":
                 self.outcome_due = p
 

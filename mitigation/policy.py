@@ -98,6 +98,7 @@ class SkiRentalPolicy:
         self.job_history: deque = deque(maxlen=window)   # job iteration times (ms)
         self._leader_starts: dict[int, int] = {}       # leader's iteration index -> start
         self.pending = False                           # decide once enough slow samples
+        self.straggler: int | None = None              # dp rank the plan in force works around
         self.planned_ns = 0                            # when the plan in flight was made
         self.applied_ns = 0                            # when the plan in force was applied
         self.unapplied_said = False
@@ -329,6 +330,7 @@ class SkiRentalPolicy:
                 # The rank that was slow is not any more: back to even.
                 even = dict(zip(order, even_split(total, len(order))))
                 even_pred = max(even[k] * t[k] for k in order)
+                self.straggler = None
                 return self._plan(even, now_pred, even_pred, 0.0,
                                   "no rank is slower at compute any more: back to the even split")
             self._why_not_rebalance = ("no rank is slower at compute beyond noise: "
@@ -358,6 +360,7 @@ class SkiRentalPolicy:
             self._why_not_rebalance = (f"loss so far {self.loss_ms:.0f} ms is under the cost of a "
                                        f"rebalance ({cost_ms:.0f} ms): waiting")
             return None
+        self.straggler = slowest
         reason = (f"dp rank {slowest} takes {t[slowest]:.2f} ms per micro-batch against a median "
                   f"of {statistics.median(times):.2f}: rebalance")
         return self._plan(dict(zip(order, best.counts)), now_pred, best.makespan, solve_ms,
