@@ -99,6 +99,10 @@ class SkiRentalPolicy:
         self._leader_starts: dict[int, int] = {}       # leader's iteration index -> start
         self.pending = False                           # decide once enough slow samples
         self.straggler: int | None = None              # dp rank the plan in force works around
+        self._last_verdict: int | None = None          # slowest rank at the last look (or None)
+        self._streak = 0                               # looks in a row with that verdict
+        self._next_look = 1                            # iterations before a pending look
+        self._confirming = False
         self.planned_ns = 0                            # when the plan in flight was made
         self.applied_ns = 0                            # when the plan in force was applied
         self.unapplied_said = False
@@ -210,7 +214,7 @@ class SkiRentalPolicy:
             self.slow = False        # back to healthy speed on the even split
             self.loss_ms = 0.0
             return []
-        if self.pending and self._full(3):
+        if self.pending and self.since_plan >= self._next_look and self._full(3):
             self.pending = False
             return self._decide()
         if self.slow and even_now:
@@ -256,7 +260,7 @@ class SkiRentalPolicy:
         d = self._rebalance()
         if d is not None:
             out.append(d)
-        elif self.slow and not self.said_none:
+        elif self.slow and not self.said_none and not self._confirming:
             out.append(self._none())
         r = self._restart()
         if r is not None:
@@ -325,6 +329,19 @@ class SkiRentalPolicy:
         total = sum(counts_now)
         now_pred = max(n * x for n, x in zip(counts_now, times))
         slowest = self._significantly_slow(samples)
+        # Persistence: the same verdict on two looks in a row (each over
+        # its own window of samples) before a plan changes. Ranks of a job
+        # on a busy node take turns being slower for a window or two.
+        verdict = slowest
+        self._streak = self._streak + 1 if verdict == self._last_verdict else 1
+        self._last_verdict = verdict
+        self._confirming = self._streak < 2
+        if self._confirming:
+            self.pending = True
+            self._next_look = max(1, self.window // 2)
+            self._why_not_rebalance = ("confirming: " + ("no rank is slower at compute"
+                                       if slowest is None else f"dp rank {slowest} looks slow"))
+            return None
         if slowest is None:
             if not self._is_even(split):
                 # The rank that was slow is not any more: back to even.
@@ -357,6 +374,7 @@ class SkiRentalPolicy:
         cost_ms = iteration_ms + solve_ms
         if self.slow and self.loss_ms < cost_ms:
             self.pending = True        # the loss grows each iteration: look again
+            self._next_look = 1
             self._why_not_rebalance = (f"loss so far {self.loss_ms:.0f} ms is under the cost of a "
                                        f"rebalance ({cost_ms:.0f} ms): waiting")
             return None

@@ -17,10 +17,8 @@ own per-iteration log (ground truth, not the tool's estimate):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,60 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from greyhound_bpf.discovery import all_stats, descendants, is_launcher, rank_identity  # noqa: E402,E501
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobkit import (cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
+                    stop_job)
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 BIN = Path(sys.executable).parent
-# A compute-bound job: large micro-batches of a small model, so that the
-# gradient all-reduce (one bucket) is a small part of an iteration.
-TRAIN_ARGS = ["--microbatches", "8", "--mb-size", "256", "--hidden", "128", "--layers", "3",
-              "--bucket-mb", "25"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass        # a line being written
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def rank_pids(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's ranks (the tool's own discovery)."""
-    stats = all_stats()
-    out = {}
-    for pid in descendants([launcher], stats):
-        rank = rank_identity(pid)[0]
-        if rank is not None and not is_launcher(pid):
-            out[rank] = pid
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    subprocess.run(["pkill", "-KILL", "-f", "scripts/demo_train.py"], check=False)
 
 
 def wait_until(pred, timeout: float, what: str):
@@ -94,21 +44,10 @@ def wait_until(pred, timeout: float, what: str):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def median_dur(truth: list[dict], lo_ns: int, hi_ns: int) -> tuple[float, int]:
-    """Job iteration time: rank 0's iterations that started in [lo, hi)."""
-    d = [r["dur_ns"] / 1e6 for r in truth
-         if r.get("rank") == 0 and not r.get("final") and lo_ns <= r["start_ns"] < hi_ns]
-    return (statistics.median(d) if d else float("nan")), len(d)
-
-
 def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
             after_s: float, log) -> dict:
     ctl, truth, events = work / "ctl.json", work / "truth.jsonl", work / "events.jsonl"
-    job = subprocess.Popen(
-        [str(BIN / "torchrun"), "--nproc-per-node", "4", "--master-port", str(free_port()),
-         str(ROOT / "scripts" / "demo_train.py"), *TRAIN_ARGS, "--control-file", str(ctl),
-         "--truth", str(truth)], stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    job = start_job(work, 4, log)
     tracer = None
     quota = None
     try:
@@ -161,8 +100,7 @@ def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
                 tracer.wait(30)
             except subprocess.TimeoutExpired:
                 tracer.kill()
-        kill_tree(job.pid)
-        job.wait()
+        stop_job(job)
     tr = read_jsonl(truth)
     evs = read_jsonl(events)
     start_ns = min(e["time_ns"] for e in evs if e["kind"] == "iteration")

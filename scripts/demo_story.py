@@ -1,0 +1,201 @@
+"""The demo's story, run by `sudo scripts/demo` after set-up.
+
+1. start the demo trainer: 4-rank PyTorch DDP on gloo, 32 micro-batches per
+   iteration, following a control file;
+2. attach `greyhound-trace --mitigate` (the live view on a terminal, or the
+   event lines with --headless);
+3. after --healthy seconds, give rank 2 half the CPU it was using
+   (`greyhound-trace inject compute ... --for SLOW`): detection -> straggler
+   named -> rebalance plan -> applied by the trainer;
+4. the injection expires: the policy returns to the even split;
+5. stop, and print iteration times before / during / mitigated / after and
+   the time to each milestone (from the trainer's own log and the events).
+
+Every process and cgroup it made is removed on every exit path, Ctrl-C
+included. Exit status 0 when every milestone happened.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jobkit import (BIN, cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
+                    stop_job)
+
+SLOW_RANK = 2
+
+
+def say(msg: str) -> None:
+    print(f"demo: {msg}", file=sys.stderr, flush=True)
+
+
+def wait_until(pred, timeout: float, interval: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    return None
+
+
+def first(evs, pred):
+    return next((e for e in evs if pred(e)), None)
+
+
+def summarize(work: Path, t: dict) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    evs, truth = read_jsonl(work / "events.jsonl"), read_jsonl(work / "truth.jsonl")
+    inj, lift, end = t["inject"], t["lift"], t["end"]
+    slow = first(evs, lambda e: e["kind"] == "slowdown" and e.get("scope") == "job"
+                 and e["time_ns"] > inj)
+    plan = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > inj
+                 and e.get("strategy") == "rebalance_microbatches" and e.get("seq"))
+    applied = plan and first(evs, lambda e: e["kind"] == "applied" and e["seq"] == plan["seq"])
+    even = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift and e.get("seq")
+                 and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1)
+    even_applied = even and first(evs, lambda e: e["kind"] == "applied"
+                                  and e["seq"] == even["seq"])
+    named = None
+    if plan:
+        counts = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
+        named = min(counts, key=counts.get)
+
+    def ms(lo, hi):
+        v, n = median_dur(truth, lo, hi)
+        return "-" if n == 0 else f"{v:.1f}"
+    phases = Table(title="iteration time (trainer's own log, rank 0, median)",
+                   title_justify="left")
+    for c in ("phase", "from", "to", "ms"):
+        phases.add_column(c, justify="right" if c == "ms" else "left")
+    start = t["attached"]
+    rel = lambda ns: f"{(ns - start) / 1e9:+.0f} s"  # noqa: E731
+    phases.add_row("before", "attach", "slowdown", ms(start + int(3e9), inj))
+    hi = applied["time_ns"] if applied else lift
+    phases.add_row("slowed, before the plan", rel(inj), rel(hi), ms(inj + int(3e8), hi))
+    if applied:
+        phases.add_row("slowed, rebalanced", rel(applied["time_ns"]), rel(lift),
+                       ms(applied["time_ns"] + int(1e9), lift))
+    lo = even_applied["time_ns"] if even_applied else lift + int(5e9)
+    phases.add_row("after the slowdown", rel(lo), rel(end), ms(lo + int(1e9), end))
+
+    miles = Table(title="milestones (after the injection)", title_justify="left")
+    miles.add_column("milestone")
+    miles.add_column("after", justify="right")
+    miles.add_column("evidence")
+    s = lambda e, base: "-" if not e else f"{(e['time_ns'] - base) / 1e9:.1f} s"  # noqa: E731
+    miles.add_row("slowdown detected", s(slow, inj),
+                  "" if not slow else f"x{slow['ratio']:.2f}, p={slow['probability']:.2f}")
+    miles.add_row("straggler named", s(plan, inj),
+                  "" if named is None else
+                  f"rank {named}{' (correct)' if named == SLOW_RANK else ' (WRONG)'}, passive")
+    miles.add_row("rebalance planned", s(plan, inj), "" if not plan else "micro-batches " + "/".join(
+        str(v) for _, v in sorted(plan["plan"]["microbatches"].items(), key=lambda kv: int(kv[0]))))
+    miles.add_row("plan applied by every rank", s(applied, inj),
+                  "" if not applied else f"seq {applied['seq']}")
+    miles.add_row("slowdown lifted", f"{(lift - inj) / 1e9:.1f} s", "")
+    miles.add_row("back to the even split", s(even_applied, inj),
+                  "" if not even_applied else f"{s(even_applied, lift)} after the lift")
+    con = Console()
+    con.print(phases)
+    con.print(miles)
+    ok = bool(slow and plan and applied and even_applied and named == SLOW_RANK)
+    print(f"demo: {'story complete' if ok else 'story INCOMPLETE'}: detection "
+          f"{'yes' if slow else 'no'}, diagnosis {'rank ' + str(named) if named is not None else 'no'}"
+          f", rebalance {'yes' if applied else 'no'}, recovery {'yes' if even_applied else 'no'}"
+          f" (events and logs in {work})", flush=True)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--headless", action="store_true",
+                   help="no live view: the tool's event lines, then the summary (for CI)")
+    p.add_argument("--healthy", type=float, default=30.0, help="seconds before the slowdown")
+    p.add_argument("--slow", type=float, default=45.0, help="seconds the slowdown lasts")
+    p.add_argument("--after", type=float, default=40.0,
+                   help="longest wait for the even split after the slowdown")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="greyhound-demo."))
+    log = open(work / "job.log", "w")
+    job = tracer = inject = None
+    t: dict[str, int] = {}
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        say(f"starting a 4-rank gloo DDP job (logs in {work})")
+        job = start_job(work, 4, log)
+        pids = wait_until(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120)
+        if not pids or not wait_until(lambda: len(read_jsonl(work / "truth.jsonl")) >= 8, 120):
+            say(f"the job did not start; see {work / 'job.log'}")
+            return 1
+        cmd = [str(BIN / "greyhound-trace"), "attach", str(job.pid), "--mitigate",
+               "--control-file", str(work / "ctl.json"), "--json", str(work / "events.jsonl")]
+        if args.headless:
+            cmd += ["--no-tui", "-q"]
+        say(f"sudo {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}")
+        tracer = subprocess.Popen(cmd)
+        if not wait_until(lambda: any(e["kind"] == "iteration"
+                                      for e in read_jsonl(work / "events.jsonl")), 120):
+            say("greyhound-trace saw no iteration")
+            return 1
+        t["attached"] = time.time_ns()
+        victim = pids[SLOW_RANK]
+        c0, t0 = cpu_seconds(victim), time.monotonic()
+        time.sleep(args.healthy)
+        share = (cpu_seconds(victim) - c0) / (time.monotonic() - t0)
+        quota = max(0.01, share / 2)
+        inj_cmd = [str(BIN / "greyhound-trace"), "inject", "compute", "--pid", str(victim),
+                   "--quota", f"{quota:.3f}", "--for", str(args.slow)]
+        if args.headless:
+            say(f"slowing rank {SLOW_RANK} down: {' '.join(inj_cmd[1:])}")
+        t["inject"] = time.time_ns()
+        inject = subprocess.Popen(inj_cmd, stdout=None if args.headless else log,
+                                  stderr=subprocess.STDOUT if not args.headless else None)
+        inject.wait()
+        t["lift"] = time.time_ns()
+        lift = t["lift"]
+        wait_until(lambda: any(e["kind"] == "applied" and e["time_ns"] > lift and
+                               e["seq"] == max((a["seq"] for a in read_jsonl(
+                                   work / "events.jsonl") if a["kind"] == "action" and
+                                   a.get("seq") and len(set(a.get("plan", {}).get(
+                                       "microbatches", {}).values())) == 1), default=-1)
+                               for e in read_jsonl(work / "events.jsonl")), args.after, 0.5)
+        time.sleep(5)
+        t["end"] = time.time_ns()
+    except KeyboardInterrupt:
+        interrupted.append(signal.SIGINT)
+        say("interrupted: cleaning up")
+    finally:
+        if inject and inject.poll() is None:
+            inject.terminate()                  # it undoes its own quota
+            inject.wait()
+        if tracer and tracer.poll() is None:
+            tracer.send_signal(signal.SIGINT)   # closes the view, prints the tool's summary
+            try:
+                tracer.wait(30)
+            except subprocess.TimeoutExpired:
+                tracer.kill()
+        if job:
+            stop_job(job)
+        log.close()
+        say("cleaned up: no job process, no cgroup left")
+    if interrupted or "end" not in t:
+        return 130 if interrupted else 1
+    return summarize(work, t)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""`scripts/demo --headless`, the README's first command without the live
+view, end to end as CI runs it: detection, the straggler named, the
+rebalance applied, the even split after the slowdown, and nothing left."""
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+from greyhound_bpf.inject import leftover_groups
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+
+def test_demo_headless_tells_the_whole_story():
+    before = leftover_groups()
+    r = subprocess.run([str(ROOT / "scripts" / "demo"), "--headless", "--healthy", "20",
+                        "--slow", "30", "--after", "40"], capture_output=True, text=True,
+                       timeout=420, cwd=ROOT)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "story complete" in out
+    assert "slowdown detected" in out and "rank 2 (correct), passive" in out
+    assert "plan applied by every rank" in out and "after the lift" in out
+    assert "SLOWDOWN job" in out and "PLAN 1 rebalance_microbatches" in out
+    assert "cleaned up" in out
+    assert leftover_groups() == before
+    left = subprocess.run(["pgrep", "-f", "scripts/demo_train.py"], capture_output=True,
+                          text=True).stdout
+    assert left == "", left
