@@ -93,6 +93,9 @@ def describe_engine_event(kind: str, f: dict) -> str:
         seq = f" {f['seq']}" if f.get("seq") is not None else ""
         exp = f", expected {f['expected_ms']:.1f} ms" if f.get("expected_ms") else ""
         return f"{head}{seq} {f['strategy']}{plan}: {f['reason']}{exp}"
+    if kind == "diagnosis":
+        who = f" rank(s) {f['ranks']}" if f.get("ranks") and f["cause"] == "computation" else ""
+        return f"DIAGNOSIS ({f['evidence']}) {f['cause']}{who}: {f['reason']}"
     if kind == "applied":
         return f"APPLIED plan {f['seq']} by ranks {f['ranks']} after {f['after_ms']:.0f} ms"
     if kind == "pattern":
@@ -134,6 +137,8 @@ class AttachSession:
             except PlanError as e:
                 raise GreyhoundError(f"--control-file: {e}") from None
         from mitigation.policy import SkiRentalPolicy
+        from .diagnosis import PassiveDiagnoser
+        self.diagnoser = PassiveDiagnoser()
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
                                       restart_estimate_s=opts.restart_estimate_s)
         self.metrics = None
@@ -329,6 +334,9 @@ class AttachSession:
             ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":
                 self.tell(describe_engine_event(kind, fields))
+            for fields in self.diagnoser.observe(ev):
+                d = self.emit("diagnosis", t_ns, **fields)
+                self.tell(describe_engine_event("diagnosis", d))
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return

@@ -64,10 +64,10 @@ def summarize(work: Path, t: dict) -> int:
                  and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1)
     even_applied = even and first(evs, lambda e: e["kind"] == "applied"
                                   and e["seq"] == even["seq"])
+    diag = first(evs, lambda e: e["kind"] == "diagnosis" and e["time_ns"] > inj)
     named = None
-    if plan:
-        counts = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
-        named = min(counts, key=counts.get)
+    if diag and diag["cause"] == "computation" and len(diag["ranks"]) == 1:
+        named = diag["ranks"][0]
 
     def ms(lo, hi):
         v, n = median_dur(truth, lo, hi)
@@ -94,9 +94,11 @@ def summarize(work: Path, t: dict) -> int:
     s = lambda e, base: "-" if not e else f"{(e['time_ns'] - base) / 1e9:.1f} s"  # noqa: E731
     miles.add_row("slowdown detected", s(slow, inj),
                   "" if not slow else f"x{slow['ratio']:.2f}, p={slow['probability']:.2f}")
-    miles.add_row("straggler named", s(plan, inj),
-                  "" if named is None else
-                  f"rank {named}{' (correct)' if named == SLOW_RANK else ' (WRONG)'}, passive")
+    miles.add_row("diagnosis", s(diag, inj),
+                  "" if not diag else
+                  f"{diag['cause']}" + ("" if named is None else f", rank {named}"
+                                        f"{' (correct)' if named == SLOW_RANK else ' (WRONG)'}")
+                  + f", {diag['evidence']}")
     miles.add_row("rebalance planned", s(plan, inj), "" if not plan else "micro-batches " + "/".join(
         str(v) for _, v in sorted(plan["plan"]["microbatches"].items(), key=lambda kv: int(kv[0]))))
     miles.add_row("plan applied by every rank", s(applied, inj),

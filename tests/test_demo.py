@@ -19,7 +19,8 @@ def test_demo_headless_tells_the_whole_story():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "story complete" in out
-    assert "slowdown detected" in out and "rank 2 (correct), passive" in out
+    assert "slowdown detected" in out and "computation, rank 2 (correct), passive" in out
+    assert "DIAGNOSIS (passive) computation rank(s) [2]" in out
     assert "plan applied by every rank" in out and "after the lift" in out
     assert "SLOWDOWN job" in out and "PLAN 1 rebalance_microbatches" in out
     assert "cleaned up" in out

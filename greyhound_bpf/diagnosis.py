@@ -1,0 +1,118 @@
+"""Passive diagnosis: which rank, and computation or communication.
+
+Fed the event stream like every other consumer. When the job slows down it
+compares each rank's compute and blocked (communication) time per iteration
+after the onset with before it:
+
+- **computation straggler**: one rank's compute grew by at least half the
+  slowdown while every other rank's blocked time grew by at least half of it
+  (they wait for it in the collective; DESIGN.md: with synchronous gloo
+  collectives the slow rank waits least);
+- **communication**: blocked time grew by at least half the slowdown on every
+  rank while no rank's compute grew by more than a quarter of it (naming the
+  communicator and link is #4's validation work; gloo exposes no communicator
+  handle to the probes);
+- otherwise ``unknown``, with the numbers: never a guess.
+
+The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
+over `window` iterations on each side of the onset; a verdict needs
+`min_after` iterations after it on every rank.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
+FLAT = 0.25       # "did not grow": by less than this x the slowdown
+
+
+@dataclass
+class _Series:
+    rows: deque = field(default_factory=lambda: deque(maxlen=256))   # (start_ns, dur, compute, comm)
+
+
+class PassiveDiagnoser:
+    def __init__(self, window: int = 16, min_after: int = 5):
+        self.window, self.min_after = window, min_after
+        self.ranks: dict[int, _Series] = {}
+        self.onset_ns: int | None = None
+        self.slowdown: dict | None = None
+        self.done = False
+        self._leader_starts: dict[int, int] = {}
+        self._pending: dict | None = None
+
+    def observe(self, ev: dict) -> list[dict]:
+        """Returns the fields of `diagnosis` events to emit."""
+        kind = ev["kind"]
+        if kind == "iteration" and ev.get("rank") is not None:
+            rank = int(ev["rank"])
+            s = self.ranks.setdefault(rank, _Series())
+            s.rows.append((ev["start_ns"], ev["dur_ns"] / 1e6, ev["compute_ns"] / 1e6,
+                           ev["comm_ns"] / 1e6))
+            if rank == min(self.ranks):
+                self._leader_starts[int(ev["index"])] = int(ev["start_ns"])
+                if self._pending is not None and int(ev["index"]) >= int(self._pending["index"]):
+                    self.slowdown, self.onset_ns, self.done = self._pending, int(ev["start_ns"]), False
+                    self._pending = None
+                if len(self._leader_starts) > 512:
+                    self._leader_starts.pop(next(iter(self._leader_starts)))
+            if self.slowdown is not None and not self.done:
+                return self._try()
+            return []
+        if kind == "slowdown" and ev.get("scope") == "job":
+            onset = self._leader_starts.get(int(ev["index"]))
+            if onset is not None:
+                self.slowdown, self.onset_ns, self.done = ev, onset, False
+                return self._try()
+            self._pending = ev            # its onset iteration has not been seen yet
+        if kind == "recovery" and ev.get("scope") == "job":
+            self.slowdown, self.onset_ns, self._pending = None, None, None
+        return []
+
+    def _split(self, s: _Series):
+        before = [r for r in s.rows if r[0] < self.onset_ns][-self.window:]
+        after = [r for r in s.rows if r[0] >= self.onset_ns][:self.window]
+        return before, after
+
+    def _try(self) -> list[dict]:
+        per = {}
+        for rank, s in self.ranks.items():
+            before, after = self._split(s)
+            if len(before) < self.min_after or len(after) < self.min_after:
+                return []
+            med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+            per[rank] = {"compute_before_ms": med(before, 2), "compute_after_ms": med(after, 2),
+                         "comm_before_ms": med(before, 3), "comm_after_ms": med(after, 3),
+                         "iter_before_ms": med(before, 1), "iter_after_ms": med(after, 1)}
+        if len(per) < 2:
+            return []
+        self.done = True
+        delta = statistics.median(p["iter_after_ms"] - p["iter_before_ms"] for p in per.values())
+        d_comp = {r: p["compute_after_ms"] - p["compute_before_ms"] for r, p in per.items()}
+        d_comm = {r: p["comm_after_ms"] - p["comm_before_ms"] for r, p in per.items()}
+        details = {"slowdown_ms": round(delta, 3),
+                   "ranks": {str(r): {k: round(v, 3) for k, v in p.items()}
+                             for r, p in sorted(per.items())}}
+        out = {"evidence": "passive", "index": self.slowdown["index"], "details": details,
+               "ranks": [], "communicator": None, "link": None}
+        if delta <= 0:
+            return [{**out, "cause": "unknown", "reason": "iteration time did not grow"}]
+        grew = [r for r, d in d_comp.items() if d >= GROW * delta]
+        if len(grew) == 1:
+            s = grew[0]
+            others = [r for r in per if r != s]
+            if all(d_comm[r] >= GROW * delta and d_comp[r] < FLAT * delta for r in others):
+                return [{**out, "cause": "computation", "ranks": [s],
+                         "reason": f"rank {s}'s compute grew {d_comp[s]:.1f} ms per iteration "
+                                   f"while the others waited {statistics.median(d_comm[r] for r in others):.1f} ms "
+                                   "longer in collectives"}]
+        if (all(d >= GROW * delta for d in d_comm.values())
+                and all(d < FLAT * delta for d in d_comp.values())):
+            return [{**out, "cause": "communication", "ranks": sorted(per),
+                     "reason": f"time in collectives grew {statistics.median(d_comm.values()):.1f}"
+                               " ms per iteration on every rank; compute stayed flat"}]
+        return [{**out, "cause": "unknown",
+                 "reason": "neither one rank's compute nor every rank's communication "
+                           "accounts for the slowdown"}]

@@ -1,0 +1,63 @@
+"""Passive diagnosis on the events a 4-rank data-parallel job produces:
+one rank computing slower (the others wait for it), every rank's
+collectives slower, and changes that fit neither."""
+import random
+
+from greyhound_bpf.diagnosis import PassiveDiagnoser
+
+
+def feed(diag, n, compute, comm, start=0, noise=0.03, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(start, start + n):
+        for r in range(4):
+            c = compute[r] * rng.uniform(1 - noise, 1 + noise)
+            w = comm[r] * rng.uniform(1 - noise, 1 + noise)
+            out += diag.observe({"kind": "iteration", "rank": r, "index": i,
+                                 "start_ns": i * 10**8, "dur_ns": int((c + w) * 1e6),
+                                 "compute_ns": int(c * 1e6), "comm_ns": int(w * 1e6)})
+    return out
+
+
+def slowdown(index):
+    return {"kind": "slowdown", "scope": "job", "index": index, "detected_index": index + 3,
+            "before_ms": 30, "after_ms": 50, "ratio": 1.67, "probability": 1.0}
+
+
+def test_computation_straggler():
+    d = PassiveDiagnoser()
+    feed(d, 30, [20] * 4, [10] * 4)
+    out = feed(d, 3, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
+    out += d.observe(slowdown(30))
+    out += feed(d, 10, [20, 20, 40, 20], [30, 30, 10, 30], start=33)
+    assert len(out) == 1
+    v = out[0]
+    assert v["cause"] == "computation" and v["ranks"] == [2] and v["evidence"] == "passive"
+    assert v["details"]["ranks"]["2"]["compute_after_ms"] > 35
+    assert "rank 2" in v["reason"]
+
+
+def test_communication_slowdown():
+    d = PassiveDiagnoser()
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [20] * 4, [25] * 4, start=30)
+    assert [v["cause"] for v in out] == ["communication"]
+    assert out[0]["ranks"] == [0, 1, 2, 3]
+
+
+def test_unclear_change_is_unknown():
+    # Every rank computes slower (a job-wide change, e.g. a bigger batch).
+    d = PassiveDiagnoser()
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [35] * 4, [10] * 4, start=30)
+    assert [v["cause"] for v in out] == ["unknown"]
+
+
+def test_waits_for_enough_iterations_and_says_once():
+    d = PassiveDiagnoser(min_after=5)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    assert feed(d, 4, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []
+    assert len(feed(d, 20, [20, 20, 40, 20], [30, 30, 10, 30], start=34)) == 1
