@@ -17,7 +17,6 @@ included. Exit status 0 when every milestone happened.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -27,23 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from jobkit import (BIN, cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
-                    stop_job)
+                    stop_job, wait_until)
 
 SLOW_RANK = 2
 
 
 def say(msg: str) -> None:
     print(f"demo: {msg}", file=sys.stderr, flush=True)
-
-
-def wait_until(pred, timeout: float, interval: float = 0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    return None
 
 
 def first(evs, pred):
@@ -174,7 +163,7 @@ def main(argv=None) -> int:
                                    work / "events.jsonl") if a["kind"] == "action" and
                                    a.get("seq") and len(set(a.get("plan", {}).get(
                                        "microbatches", {}).values())) == 1), default=-1)
-                               for e in read_jsonl(work / "events.jsonl")), args.after, 0.5)
+                               for e in read_jsonl(work / "events.jsonl")), args.after, interval=0.5)
         time.sleep(5)
         t["end"] = time.time_ns()
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +91,17 @@ def median_dur(truth: list[dict], lo_ns: int, hi_ns: int) -> tuple[float, int]:
     d = [r["dur_ns"] / 1e6 for r in truth
          if r.get("rank") == 0 and not r.get("final") and lo_ns <= r["start_ns"] < hi_ns]
     return (statistics.median(d) if d else float("nan")), len(d)
+
+
+def wait_until(pred, timeout: float, what: str | None = None, interval: float = 0.2):
+    """pred()'s first true value within `timeout` s; then None, or an error
+    naming `what` when one is given."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    if what:
+        raise RuntimeError(f"timed out waiting for {what}")
+    return None

@@ -28,20 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jobkit import (cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
-                    stop_job)
+                    stop_job, wait_until)
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 BIN = Path(sys.executable).parent
-
-
-def wait_until(pred, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
