@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     marker = Path(f"{control}.restart")
     handled = (read_json(marker) or {}).get("seq", 0)
     excluded: list[int] = []
+    layer_split: list[int] | None = None
     restarts = 0
     child: subprocess.Popen | None = None
 
@@ -83,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, forward)
     while True:
         nproc = None if args.nproc is None else args.nproc - len(excluded)
-        argv_now = [c.replace("{nproc}", str(nproc)) for c in cmd]
+        split = ",".join(map(str, layer_split or []))
+        argv_now = [c.replace("{nproc}", str(nproc)).replace("{layer_split}", split)
+                    for c in cmd]
         env = dict(os.environ, GREYHOUND_EXCLUDE=",".join(map(str, excluded)),
-                   GREYHOUND_RESTARTS=str(restarts))
+                   GREYHOUND_LAYER_SPLIT=split, GREYHOUND_RESTARTS=str(restarts))
         say(f"launch {restarts}: {' '.join(argv_now)}")
         try:
             child = subprocess.Popen(argv_now, env=env, start_new_session=True)
@@ -104,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             return code or 1
         restarts += 1
         excluded = sorted(set(excluded) | set(req.get("exclude") or []))
+        if req.get("layer_split"):
+            layer_split = [int(x) for x in req["layer_split"]]
         say(f"plan {handled}: restarting from {req.get('checkpoint')}"
-            + (f" without ranks {excluded}" if excluded else ""))
+            + (f" without ranks {excluded}" if excluded else "")
+            + (f" with layers per stage {layer_split}" if layer_split else ""))
         saved_ns = int(req.get("saved_ns", time.time_ns()))
         for ack in control.parent.glob(f"{control.name}.ack.*"):
             ack.unlink(missing_ok=True)       # the old job's ranks are gone

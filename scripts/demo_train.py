@@ -101,6 +101,11 @@ def main(argv=None) -> int:
         if len(gens) == world:
             gen.set_state(gens[rank])
     my_mb = even_split(total_mb, world)[rank]
+    if log and os.environ.get("GREYHOUND_LAYER_SPLIT"):
+        # This demo model has no pipeline stages: it records the split a
+        # pipeline trainer would build its stages from.
+        log.write(json.dumps({"rank": rank, "layer_split": [
+            int(x) for x in os.environ["GREYHOUND_LAYER_SPLIT"].split(",")], "step": step}) + "\n")
     ctl = None
     if args.control_file:
         from mitigation.control import RESTART_EXIT_CODE, ControlFile, loss_scale
@@ -124,7 +129,10 @@ def main(argv=None) -> int:
                 agreed = seen.get(int(newest.item()))
                 if agreed is not None and agreed.seq > applied_seq:
                     applied_seq = agreed.seq
-                    if agreed.strategy == "checkpoint_restart" and args.checkpoint:
+                    # A pipeline re-split is applied at restart too: checkpoint,
+                    # exit; greyhound-run relaunches with the new split.
+                    if agreed.strategy in ("checkpoint_restart", "reconfigure_pipeline") \
+                            and args.checkpoint:
                         save_checkpoint(args.checkpoint, model, opt, step, total_mb, gen,
                                         rank, world, agreed.seq)
                         ctl.ack(agreed)

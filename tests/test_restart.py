@@ -19,14 +19,15 @@ STEPS = 14
 def losses(truth: Path) -> dict[tuple[int, int], float]:
     out = {}
     for d in read_events(truth):
-        if not d.get("final"):
+        if not d.get("final") and "layer_split" not in d:
             assert (d["rank"], d["index"]) not in out, "a step ran twice"
             out[d["rank"], d["index"]] = d["loss"]
     return out
 
 
 @pytest.mark.slow
-def test_checkpoint_restart_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("strategy", ["checkpoint_restart", "reconfigure_pipeline"])
+def test_checkpoint_restart_resumes_exactly(tmp_path, strategy):
     base_dir, run_dir = tmp_path / "base", tmp_path / "run"
     base_dir.mkdir()
     run_dir.mkdir()
@@ -46,8 +47,9 @@ def test_checkpoint_restart_resumes_exactly(tmp_path):
                  prefix=[sup, "--control-file", str(ctl), "--nproc", "2", "--"])
     try:
         wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
-        plan = ControlWriter(ctl).issue("checkpoint_restart", restart={"checkpoint": True},
-                                        reason="test")
+        extra = {"layer_split": [3, 5]} if strategy == "reconfigure_pipeline" else {}
+        plan = ControlWriter(ctl).issue(strategy, restart={"checkpoint": True},
+                                        reason="test", **extra)
         assert job.wait(240) == 0
     finally:
         job.close()
@@ -57,6 +59,15 @@ def test_checkpoint_restart_resumes_exactly(tmp_path):
     assert sorted(d["exit_code"] for d in finals) == [0, 0, 75, 75]
     restart = json.loads(Path(f"{ctl}.restart").read_text())
     assert restart["seq"] == plan.seq
+    # A re-split reaches the relaunched trainer (greyhound-run's
+    # GREYHOUND_LAYER_SPLIT); this demo model records what it would build.
+    splits = [d for d in read_events(job.truth) if "layer_split" in d]
+    if strategy == "reconfigure_pipeline":
+        assert sorted(d["rank"] for d in splits) == [0, 1]
+        assert all(d["layer_split"] == [3, 5] for d in splits)
+        assert "with layers per stage [3, 5]" in log
+    else:
+        assert splits == []
     ckpt_step = torch.load(run_dir / "ckpt.pt", weights_only=False)["step"]
     assert 0 < ckpt_step < STEPS
     # Every step once, each with the uninterrupted run's loss.
