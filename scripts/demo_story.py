@@ -53,7 +53,10 @@ def summarize(work: Path, t: dict) -> int:
                  and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1)
     even_applied = even and first(evs, lambda e: e["kind"] == "applied"
                                   and e["seq"] == even["seq"])
-    diag = first(evs, lambda e: e["kind"] == "diagnosis" and e["time_ns"] > inj)
+    # The first verdict that names a cause (a slowdown that ramps up over a
+    # few iterations can first be reported as a smaller step, found unknown).
+    diags = [e for e in evs if e["kind"] == "diagnosis" and e["time_ns"] > inj]
+    diag = first(diags, lambda e: e["cause"] != "unknown") or (diags[0] if diags else None)
     named = None
     if diag and diag["cause"] == "computation" and len(diag["ranks"]) == 1:
         named = diag["ranks"][0]
