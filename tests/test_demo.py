@@ -28,3 +28,32 @@ def test_demo_headless_tells_the_whole_story():
     left = subprocess.run(["pgrep", "-f", "scripts/demo_train.py"], capture_output=True,
                           text=True).stdout
     assert left == "", left
+
+
+def test_demo_ctrl_c_leaves_nothing():
+    """Ctrl-C in the middle of the slowdown: the injection, the tracer and
+    every rank are gone afterwards."""
+    import os
+    import signal
+    import time
+    from conftest import wait_for
+    before = leftover_groups()
+    p = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"),
+                          str(ROOT / "scripts" / "demo_story.py"), "--headless",
+                          "--healthy", "5", "--slow", "60"], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        wait_for(lambda: len(leftover_groups()) > len(before), 180, "the injection")
+        time.sleep(2)
+        os.killpg(p.pid, signal.SIGINT)          # the terminal's Ctrl-C: the whole group
+        out, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, out[-2000:]
+    assert "interrupted: cleaning up" in out and "cleaned up" in out
+    assert leftover_groups() == before
+    left = subprocess.run(["pgrep", "-f", "scripts/demo_train.py|greyhound_bpf.cli|"
+                           "greyhound-trace"], capture_output=True, text=True).stdout
+    assert left == "", left

@@ -11,7 +11,7 @@ import time
 import pytest
 from rich.console import Console
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, read_events, wait_for
 from greyhound_bpf.tui import RankRow, Snapshot, TuiState, render, sparkline
 
 
@@ -111,7 +111,8 @@ def test_live_view_in_tmux(ddp_job, tmp_path):
     wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
     session = f"gh{job.proc.pid}"
     rc = tmp_path / "rc"
-    cmd = (f"{sys.executable} -m greyhound_bpf.cli attach {job.proc.pid}; "
+    events = tmp_path / "events.jsonl"
+    cmd = (f"{sys.executable} -m greyhound_bpf.cli attach {job.proc.pid} --json {events}; "
            f"echo $? > {rc}; sleep 60")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "40",
                     "-c", str(ROOT), cmd], check=True)
@@ -133,5 +134,7 @@ def test_live_view_in_tmux(ddp_job, tmp_path):
         assert rc.read_text().strip() == "0"
         after = pane()
         assert "calls traced in" in after and "gloo::allreduce" in after
+        kinds = {e["kind"] for e in read_events(events)}      # --json alongside the view
+        assert {"attach", "iteration", "detach"} <= kinds
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
