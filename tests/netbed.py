@@ -1,0 +1,76 @@
+"""A network testbed for real link faults: every rank of a gloo job in its
+own network namespace, joined by veth pairs to one bridge (10.77.0.0/24).
+The host side of rank i's link is `<prefix>h<i>`: a tbf qdisc there slows
+that rank's link for real (this kernel has no netem)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True)
+
+
+class NetBed:
+    def __init__(self, ranks: int, prefix: str = "ght"):
+        self.n, self.p = ranks, prefix
+        self.bridge = f"{prefix}br"
+        self.procs: list[subprocess.Popen] = []
+
+    def ns(self, i: int) -> str:
+        return f"{self.p}ns{i}"
+
+    def host_dev(self, i: int) -> str:
+        return f"{self.p}h{i}"
+
+    def __enter__(self) -> "NetBed":
+        self.down()
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("link", "set", self.bridge, "up")
+        for i in range(self.n):
+            ip("netns", "add", self.ns(i))
+            ip("link", "add", self.host_dev(i), "type", "veth", "peer", "name", "ghnet",
+               "netns", self.ns(i))
+            ip("link", "set", self.host_dev(i), "master", self.bridge)
+            ip("link", "set", self.host_dev(i), "up")
+            ip("-n", self.ns(i), "addr", "add", f"10.77.0.{i + 1}/24", "dev", "ghnet")
+            ip("-n", self.ns(i), "link", "set", "ghnet", "up")
+            ip("-n", self.ns(i), "link", "set", "lo", "up")
+        return self
+
+    def start_ranks(self, truth: Path, *train_args: str, port: int = 29711) -> list[int]:
+        """scripts/demo_train.py, one rank per namespace (no launcher)."""
+        for i in range(self.n):
+            env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(self.n), LOCAL_RANK=str(i),
+                       MASTER_ADDR="10.77.0.1", MASTER_PORT=str(port),
+                       GLOO_SOCKET_IFNAME="ghnet", OMP_NUM_THREADS="1")
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", self.ns(i), sys.executable,
+                 str(ROOT / "scripts" / "demo_train.py"), "--truth", str(truth), *train_args],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
+        return [p.pid for p in self.procs]   # `ip netns exec` execs the program: same pid
+
+    def down(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for i in range(self.n):
+            ip("netns", "del", self.ns(i), check=False)
+            ip("link", "del", self.host_dev(i), check=False)
+        ip("link", "del", self.bridge, check=False)
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def leftovers(self) -> list[str]:
+        out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        nss = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return ([ln for ln in out.splitlines() if f" {self.p}" in ln]
+                + [ln for ln in nss.splitlines() if ln.startswith(self.p)])

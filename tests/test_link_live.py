@@ -1,0 +1,46 @@
+"""Live communication slowdown: a 4-rank gloo DDP job whose ranks sit in
+their own network namespaces; `greyhound-trace inject link` puts a tbf rate
+limit on rank 1's link. Passive diagnosis says `communication` (never
+`computation`); lifting the limit gives a recovery; nothing is left."""
+import subprocess
+import time
+
+import pytest
+
+from conftest import GREYHOUND, ROOT, read_events, wait_for
+from netbed import NetBed
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+TRAIN = ("--microbatches", "2", "--mb-size", "64", "--hidden", "512", "--layers", "4",
+         "--bucket-mb", "1")
+
+
+def test_link_slowdown_is_communication(tracer, tmp_path):
+    truth = tmp_path / "truth.jsonl"
+    bed = NetBed(4)
+    with bed:
+        pids = bed.start_ranks(truth, *TRAIN)
+        wait_for(lambda: len(read_events(truth)) >= 40, 120, "the job to train")
+        t = tracer(pids, "-q")
+        t.wait_attached(4)
+        wait_for(lambda: len([e for e in t.events("iteration") if e["rank"] == 0]) >= 150,
+                 120, "150 healthy iterations", interval=0.5)
+        start = time.time_ns()
+        inj = subprocess.Popen([*GREYHOUND, "inject", "link", "--dev", bed.host_dev(1),
+                                "--rate", "400mbit", "--for", "20"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        diag = wait_for(lambda: [e for e in t.events("diagnosis")
+                                 if e["time_ns"] > start and e["cause"] != "unknown"], 60,
+                        "a diagnosis of the link slowdown", interval=0.5)[0]
+        out, _ = inj.communicate(timeout=60)
+        assert inj.returncode == 0 and "undone" in out
+        wait_for(lambda: [e for e in t.events("recovery") if e["scope"] == "job"
+                          and e["time_ns"] > start], 90, "a recovery after the lift",
+                 interval=0.5)
+        assert t.stop() == 0
+        assert diag["cause"] == "communication" and diag["evidence"] == "passive"
+        assert not [e for e in t.events("diagnosis") if e["cause"] == "computation"]
+        assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", bed.host_dev(1)],
+                                           capture_output=True, text=True).stdout
+    assert bed.leftovers() == []
