@@ -64,7 +64,7 @@ def summarize(work: Path, t: dict) -> int:
     def ms(lo, hi):
         v, n = median_dur(truth, lo, hi)
         return "-" if n == 0 else f"{v:.1f}"
-    phases = Table(title="iteration time (trainer's own log, rank 0, median)",
+    phases = Table(title="iteration time (trainer's own log: rank 0, start to start, median)",
                    title_justify="left")
     for c in ("phase", "from", "to", "ms"):
         phases.add_column(c, justify="right" if c == "ms" else "left")

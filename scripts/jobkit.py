@@ -87,9 +87,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def median_dur(truth: list[dict], lo_ns: int, hi_ns: int) -> tuple[float, int]:
-    """Job iteration time: rank 0's iterations that started in [lo, hi)."""
-    d = [r["dur_ns"] / 1e6 for r in truth
-         if r.get("rank") == 0 and not r.get("final") and lo_ns <= r["start_ns"] < hi_ns]
+    """Job iteration time: the median period between consecutive iteration
+    starts of rank 0 (start-to-start, the time the job really spends per
+    iteration: the trainer's own `dur_ns` covers zero_grad..step only and
+    leaves out the control-file poll and the wait at the top of the step),
+    for iterations that started in [lo, hi)."""
+    starts = sorted(r["start_ns"] for r in truth
+                    if r.get("rank") == 0 and not r.get("final") and "start_ns" in r)
+    d = [(b - a) / 1e6 for a, b in zip(starts, starts[1:]) if lo_ns <= a < hi_ns]
     return (statistics.median(d) if d else float("nan")), len(d)
 
 

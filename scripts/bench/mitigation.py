@@ -4,7 +4,8 @@ A 4-rank PyTorch DDP job on gloo (scripts/demo_train.py, 32 micro-batches
 per iteration) runs under `greyhound-trace attach --mitigate`. After a
 healthy phase one rank gets half the CPU it was using (a cgroup v1 CFS
 quota: 2x slower), later the quota is lifted. Measured from the trainer's
-own per-iteration log (ground truth, not the tool's estimate):
+own per-iteration log (ground truth, not the tool's estimate), as the period
+between consecutive iteration starts:
 
 - healthy, slow (before any plan is applied) and mitigated iteration times;
 - the mitigated time against the solver's predicted optimum (the plan's
