@@ -40,8 +40,6 @@ class PassiveDiagnoser:
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
         self.done = False
-        self._leader_starts: dict[int, int] = {}
-        self._pending: dict | None = None
 
     def observe(self, ev: dict) -> list[dict]:
         """Returns the fields of `diagnosis` events to emit."""
@@ -51,24 +49,14 @@ class PassiveDiagnoser:
             s = self.ranks.setdefault(rank, _Series())
             s.rows.append((ev["start_ns"], ev["dur_ns"] / 1e6, ev["compute_ns"] / 1e6,
                            ev["comm_ns"] / 1e6))
-            if rank == min(self.ranks):
-                self._leader_starts[int(ev["index"])] = int(ev["start_ns"])
-                if self._pending is not None and int(ev["index"]) >= int(self._pending["index"]):
-                    self.slowdown, self.onset_ns, self.done = self._pending, int(ev["start_ns"]), False
-                    self._pending = None
-                if len(self._leader_starts) > 512:
-                    self._leader_starts.pop(next(iter(self._leader_starts)))
             if self.slowdown is not None and not self.done:
                 return self._try()
             return []
         if kind == "slowdown" and ev.get("scope") == "job":
-            onset = self._leader_starts.get(int(ev["index"]))
-            if onset is not None:
-                self.slowdown, self.onset_ns, self.done = ev, onset, False
-                return self._try()
-            self._pending = ev            # its onset iteration has not been seen yet
+            self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
+            return self._try()
         if kind == "recovery" and ev.get("scope") == "job":
-            self.slowdown, self.onset_ns, self._pending = None, None, None
+            self.slowdown, self.onset_ns = None, None
         return []
 
     def _split(self, s: _Series):

@@ -26,7 +26,7 @@ class RankState:
     detector: SlowdownDetector
     types: dict = field(default_factory=dict)   # (fn, comm) -> call type id
     last: IterationRecord | None = None
-    fed: list = field(default_factory=list)     # iteration index of each detector input
+    fed: list = field(default_factory=list)     # (iteration index, start_ns) per detector input
 
 
 class JobPipeline:
@@ -39,7 +39,7 @@ class JobPipeline:
         self.ranks: dict[int, RankState] = {}
         self.job_detector = SlowdownDetector(scope="job", threshold=threshold,
                                              min_probability=min_probability)
-        self._job_fed: list[int] = []             # leader's iteration index per job input
+        self._job_fed: list[tuple[int, int]] = []  # leader's (index, start_ns) per job input
         n = len(catalog.functions)
         self._comm_slot = np.full(n, -1, dtype=np.int64)
         self._count_slot = np.full(n, -1, dtype=np.int64)
@@ -109,7 +109,7 @@ class JobPipeline:
                 continue
             rs.last = item
             out.append(("iteration", item.fields(), item.start_ns + item.dur_ns))
-            rs.fed.append(item.index)
+            rs.fed.append((item.index, item.start_ns))
             cp = rs.detector.update(item.dur_ns / 1e6)
             if cp:
                 out.append(self._change(cp, rs.rank, item, rs.fed))
@@ -133,14 +133,16 @@ class JobPipeline:
         recent = [r.last.dur_ns for r in self.ranks.values()
                   if r.last is not None and abs(r.last.start_ns - item.start_ns) < 2 * item.dur_ns]
         dur_ms = statistics.median(recent) / 1e6
-        self._job_fed.append(item.index)
+        self._job_fed.append((item.index, item.start_ns))
         cp = self.job_detector.update(dur_ms)
         return [self._change(cp, None, item, self._job_fed)] if cp else []
 
-    def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: list[int]):
-        # Detector positions -> the iteration indices of `iteration` events.
+    def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: list):
+        # Detector positions -> the iteration indices of `iteration` events,
+        # and the wall-clock start of the first iteration of the new level.
         fields = cp.fields()
-        fields["index"], fields["detected_index"] = fed[cp.index], fed[cp.detected_at]
+        (fields["index"], fields["onset_ns"]), fields["detected_index"] = \
+            fed[cp.index], fed[cp.detected_at][0]
         if cp.scope == "rank":
             fields["rank"] = rank
         return (cp.kind, fields, item.start_ns + item.dur_ns)

@@ -96,7 +96,6 @@ class SkiRentalPolicy:
         self.said_none = False
         self.last_plan: dict[int, int] | None = None
         self.job_history: deque = deque(maxlen=window)   # job iteration times (ms)
-        self._leader_starts: dict[int, int] = {}       # leader's iteration index -> start
         self.pending = False                           # decide once enough slow samples
         self.straggler: int | None = None              # dp rank the plan in force works around
         self._last_verdict: int | None = None          # slowest rank at the last look (or None)
@@ -155,10 +154,8 @@ class SkiRentalPolicy:
                 lag = max(0, int(ev["detected_index"]) - int(ev["index"]))
                 self.loss_ms = lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
                 # Speeds from the slow iterations only.
-                onset = self._leader_starts.get(int(ev["index"]))
-                if onset is not None:
-                    for r in self.ranks.values():
-                        r.keep_after(onset)
+                for r in self.ranks.values():
+                    r.keep_after(int(ev["onset_ns"]))
                 if self._full(3):
                     return self._decide()
                 self.pending = True
@@ -189,9 +186,6 @@ class SkiRentalPolicy:
         self._now_ns = max(self._now_ns, r.last_ns)
         if rank != min(self.ranks):
             return []
-        self._leader_starts[int(ev["index"])] = int(ev["start_ns"])
-        if len(self._leader_starts) > 4 * self.window:
-            self._leader_starts.pop(next(iter(self._leader_starts)))
         # One job iteration per iteration of the lowest rank.
         job_ms = self.job_ms()
         if job_ms is not None:

@@ -21,7 +21,8 @@ def feed(diag, n, compute, comm, start=0, noise=0.03, seed=0):
 
 def slowdown(index):
     return {"kind": "slowdown", "scope": "job", "index": index, "detected_index": index + 3,
-            "before_ms": 30, "after_ms": 50, "ratio": 1.67, "probability": 1.0}
+            "before_ms": 30, "after_ms": 50, "ratio": 1.67, "probability": 1.0,
+            "onset_ns": index * 10**8}
 
 
 def test_computation_straggler():

@@ -17,6 +17,7 @@ class Job:
         self.split = dict(enumerate(even_split(total, len(speeds))))
         self.index = 0
         self.now = 0
+        self.starts = []                         # start_ns of each iteration
 
     def iteration_events(self):
         compute = {r: self.split[r] * self.t[r] for r in self.split}
@@ -27,6 +28,7 @@ class Job:
                         "start_ns": self.now, "dur_ns": int(dur * 1e6),
                         "compute_ns": int(compute[r] * 1e6),
                         "comm_ns": int((dur - compute[r]) * 1e6)})
+        self.starts.append(self.now)
         self.index += 1
         self.now += int(dur * 1e6)
         return evs, dur
@@ -49,7 +51,8 @@ def run(policy, job, n):
 def slowdown(job, before, after, index, detected):
     return {"kind": "slowdown", "scope": "job", "index": index, "detected_index": detected,
             "before_ms": before, "after_ms": after, "ratio": after / before,
-            "probability": 1.0, "time_ns": job.now}
+            "probability": 1.0, "time_ns": job.now,
+            "onset_ns": job.starts[index] if index < len(job.starts) else job.now}
 
 
 def test_rebalance_at_detection_then_back_to_even():
@@ -164,7 +167,8 @@ def test_pipeline_resplit_when_trainer_is_pipelined():
                                 "comm_ns": int((18 - t[r]) * 1e6)})
         if i == 10:
             out += pol.observe({"kind": "slowdown", "scope": "job", "index": 8,
-                                "detected_index": 10, "before_ms": 10.0, "after_ms": 18.0})
+                                "detected_index": 10, "before_ms": 10.0, "after_ms": 18.0,
+                                "onset_ns": 8})
     pipe = [d for d in out if d.strategy == "reconfigure_pipeline"]
     assert len(pipe) == 1
     split = pipe[0].plan["layer_split"]
@@ -184,7 +188,8 @@ def test_noise_alone_never_rebalances():
     for i in range(600):
         if i == 50:
             out += pol.observe({"kind": "slowdown", "scope": "job", "index": 40,
-                                "detected_index": 48, "before_ms": 10.0, "after_ms": 11.5})
+                                "detected_index": 48, "before_ms": 10.0, "after_ms": 11.5,
+                                "onset_ns": 40 * 10**7})
         for r in range(4):
             c = 8.0 * rng.uniform(0.75, 1.25)
             out += pol.observe({"kind": "iteration", "rank": r, "index": i, "start_ns": i * 10**7,
