@@ -12,7 +12,6 @@ other consumer, plus per-call counts from the tracer's batches.
 """
 from __future__ import annotations
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from . import GreyhoundError
@@ -44,13 +43,9 @@ class Metrics:
         self.server.shutdown()
         self.server.server_close()
 
-    def count_calls(self, recs: np.ndarray, rank_of: dict[int, int | None], names: list[str]):
-        if len(recs) == 0:
-            return
-        keys, counts = np.unique(np.stack([recs["pid"].astype(np.int64),
-                                           recs["fn"].astype(np.int64)], axis=1),
-                                 axis=0, return_counts=True)
-        for (pid, fn), n in zip(keys.tolist(), counts.tolist()):
+    def count_calls(self, groups, rank_of: dict[int, int | None], names: list[str]) -> None:
+        """`groups`: (pid, function id, calls) as CallStats.add returns them."""
+        for pid, fn, n in groups:
             rank = rank_of.get(pid)
             self.calls.labels(rank="-" if rank is None else str(rank), fn=names[fn]).inc(n)
 

@@ -326,10 +326,10 @@ class AttachSession:
     def _process(self, recs: np.ndarray) -> None:
         if len(recs) == 0:
             return
-        self.stats.add(recs)
+        groups = self.stats.add(recs)
         ranks = {pid: t.rank for pid, t in self.known.items()}
         if self.metrics:
-            self.metrics.count_calls(recs, ranks, self._fn_names)
+            self.metrics.count_calls(groups, ranks, self._fn_names)
         for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
             ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":

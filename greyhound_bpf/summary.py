@@ -48,9 +48,10 @@ class CallStats:
     def add_target(self, pid: int, rank: int | None, comm: str) -> None:
         self.ranks.setdefault(pid, RankStats(pid, rank, comm))
 
-    def add(self, recs: np.ndarray) -> None:
+    def add(self, recs: np.ndarray) -> list[tuple[int, int, int]]:
+        """Fold a batch in; returns its (pid, function id, calls) groups."""
         if len(recs) == 0:
-            return
+            return []
         # Group by (pid, fn) with NumPy: a batch may hold thousands of records.
         key = (recs["pid"].astype(np.uint64) << np.uint64(16)) | recs["fn"].astype(np.uint64)
         uniq, inv = np.unique(key, return_inverse=True)
@@ -58,8 +59,10 @@ class CallStats:
         totals = np.bincount(inv, weights=recs["dur_ns"].astype(np.float64))
         maxes = np.zeros(len(uniq), dtype=np.uint64)
         np.maximum.at(maxes, inv, recs["dur_ns"])
+        groups = []
         for k, c, tot, mx in zip(uniq.tolist(), counts.tolist(), totals.tolist(), maxes.tolist()):
             pid, fid = k >> 16, k & 0xFFFF
+            groups.append((pid, fid, c))
             rs = self.ranks.setdefault(pid, RankStats(pid, None, "?"))
             fs = rs.fns.setdefault(fid, FnStats())
             fs.count += c
@@ -70,6 +73,7 @@ class CallStats:
             top = rs.interval_top.setdefault(fid, [0, 0])
             top[0] += c
             top[1] += int(tot)
+        return groups
 
     def _sorted(self) -> list[RankStats]:
         return sorted(self.ranks.values(),
