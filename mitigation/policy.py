@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .pipeline import resplit
-from .rebalance import RebalanceError, even_split, greedy, solve
+from .rebalance import RebalanceError, even_split, greedy_makespan, solve
 
 RESTART_ESTIMATE_S = 60.0
 
@@ -432,14 +432,14 @@ class SkiRentalPolicy:
             total = sum(split.values())
             times = [t[k] for k in order]
             med = statistics.median(times)
-            best_now = max(n * x for n, x in zip(greedy(times, total), times))
+            best_now = greedy_makespan(times, total)
             # Exclude ranks slower than 2x the median when the others carry
             # the global batch faster than the best split with them.
             keep = [i for i, x in enumerate(times) if x <= 2 * med]
             if len(keep) == len(times) or not keep or total < len(keep):
                 return None
             kept = [times[i] for i in keep]
-            without = max(n * x for n, x in zip(greedy(kept, total), kept))
+            without = greedy_makespan(kept, total)
             saved = best_now - without
             excluded = [order[i] for i in range(len(order)) if i not in keep]
             strategy, plan = "checkpoint_restart", {"restart": {"checkpoint": True,
