@@ -26,7 +26,7 @@ from .summary import safe
 
 SPARKS = "▁▂▃▄▅▆▇█"
 LOG_LINES = 8
-HISTORY = 600          # job iteration times kept (about 10 minutes at 1/s... or 600 iterations)
+HISTORY = 600          # job iteration times kept (the view shows the latest that fit)
 STATE_STYLE = {"ok": "green", "slow": "bold red", "straggler": "bold red reverse",
                "warming up": "yellow", "relocking": "yellow"}
 MARK = {"slowdown": ("▼", "bold red"), "recovery": ("▲", "green"),
