@@ -34,7 +34,7 @@ class _Series:
 
 
 class PassiveDiagnoser:
-    def __init__(self, window: int = 16, min_after: int = 5):
+    def __init__(self, window: int = 16, min_after: int = 10):
         self.window, self.min_after = window, min_after
         self.ranks: dict[int, _Series] = {}
         self.onset_ns: int | None = None
