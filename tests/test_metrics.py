@@ -1,6 +1,7 @@
 """Prometheus metrics, scraped over real HTTP while attached to a real gloo
 DDP job; the port is released when the tracer stops."""
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -21,6 +22,20 @@ def scrape(port):
     return out
 
 
+def flags(events):
+    """What the straggler and slowdown gauges must read after these events:
+    the latest slowdown/recovery per rank, and for the job."""
+    ranks, job = {}, 0
+    for e in events:
+        if e["kind"] in ("slowdown", "recovery"):
+            v = 1 if e["kind"] == "slowdown" else 0
+            if e.get("scope") == "job":
+                job = v
+            elif e.get("rank") is not None:
+                ranks[str(e["rank"])] = v
+    return ranks, job
+
+
 def test_scrape_while_attached(ddp_job, tracer):
     job = ddp_job(2, 0, go=False)
     wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
@@ -32,13 +47,24 @@ def test_scrape_while_attached(ddp_job, tracer):
         m = scrape(port)
         its = [v for (n, lab), v in m.items() if n == "greyhound_iteration_seconds"]
         return m if len(its) == 2 else None
-    m = wait_for(ready, 90, "iteration metrics for both ranks", interval=0.5)
+    wait_for(ready, 90, "iteration metrics for both ranks", interval=0.5)
+
+    # The gauges mirror the event stream. On this noisy 2-core machine a healthy
+    # job can have a short false per-rank slowdown, so compare with what the
+    # stream said rather than assume 0: scrape between two reads of the stream
+    # that agree, the second after the stream's next flush.
+    def consistent():
+        before = flags(t.events())
+        m = scrape(port)
+        time.sleep(1.0)                  # > the stream's flush interval (0.5 s)
+        return (m, before) if flags(t.events()) == before else None
+    m, (ranks, job) = wait_for(consistent, 30, "a scrape between two quiet reads")
     for rank in ("0", "1"):
         assert 0 < m[("greyhound_iteration_seconds", (("rank", rank),))] < 5
         assert m[("greyhound_calls_total", (("fn", "gloo::allreduce"), ("rank", rank)))] > 0
-        assert m[("greyhound_straggler", (("rank", rank),))] == 0
+        assert m[("greyhound_straggler", (("rank", rank),))] == ranks.get(rank, 0)
     assert m[("greyhound_lost_records_total", ())] == 0
-    assert m[("greyhound_slowdown_active", ())] == 0
+    assert m[("greyhound_slowdown_active", ())] == job
     assert ("greyhound_plan_seq", ()) in m
     # Counters grow between scrapes.
     key = ("greyhound_calls_total", (("fn", "gloo::allreduce"), ("rank", "0")))
