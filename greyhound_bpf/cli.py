@@ -39,6 +39,19 @@ on Ctrl-C and on SIGTERM. Only SIGKILL can leave one behind; --undo-all
 removes it.
 """
 
+EPILOG_VALIDATE = """\
+examples:
+  greyhound-trace validate --world 4           # pre-check: 4 devices, ring links
+  sudo greyhound-trace validate 4242           # the ranks of a running job
+  sudo greyhound-trace validate 4242 --json v.jsonl --no-pause
+
+With PIDs, one worker per rank runs where the rank runs (its network
+namespace, cgroups and CPU affinity); the job is paused (SIGSTOP) only while
+the benchmarks measure, at most --pause-max seconds, and a watchdog resumes
+it even if this command is killed. Exit 0 when nothing is slow, 3 when a
+device or link is, 1 when nothing could be measured.
+"""
+
 EPILOG_CHECK = """\
 examples:
   greyhound-trace check                # can this machine trace?
@@ -118,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
                    help="address for --metrics-port (default loopback)")
 
+    a.add_argument("--no-validate", action="store_true",
+                   help="after a job slowdown, do not benchmark the devices and links "
+                        "(see `validate`; the job is paused at most --pause-max seconds)")
+    a.add_argument("--pause-max", type=_positive, default=5.0, metavar="S",
+                   help="longest validation may pause the job (default 5)")
+
     m = a.add_argument_group("mitigation (advise only unless --mitigate)")
     m.add_argument("--control-file", metavar="PATH",
                    help="the control file the training script follows (mitigation.control); "
@@ -166,6 +185,25 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--for", dest="seconds", type=_positive, metavar="S",
                        help="undo after S seconds (default: on Ctrl-C or SIGTERM)")
 
+    v = sub.add_parser("validate", help="benchmark each device and link, name the slow one",
+                       description="GEMM per device and p2p ping-pong per ring edge (concurrent\n"
+                                   "disjoint rounds), then a robust outlier test against the\n"
+                                   "median. Before a job (--world N) or on a running one (PID).",
+                       epilog=EPILOG_VALIDATE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("pids", metavar="PID", type=_pid, nargs="*",
+                   help="a rank or launcher of a running job (needs root)")
+    v.add_argument("--world", type=int, metavar="N",
+                   help="pre-check N devices on this machine before a job starts")
+    v.add_argument("-j", "--json", metavar="FILE",
+                   help="also write the `diagnosis` event to FILE (- for stdout)")
+    v.add_argument("--no-pause", action="store_true",
+                   help="measure while the job runs (noisier; nothing is paused)")
+    v.add_argument("--pause-max", type=_positive, default=5.0, metavar="S",
+                   help="longest the job may be paused (default 5)")
+    v.add_argument("--timeout", type=_positive, default=60.0, metavar="S",
+                   help="longest wait for the workers to start (default 60)")
+
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
                        description="Check every requirement of `attach` and print the fix\n"
                                    "for each one that fails. Exit 0 when tracing can work.",
@@ -193,7 +231,8 @@ def cmd_attach(args) -> int:
         min_probability=args.min_probability, control_file=args.control_file,
         mitigate=args.mitigate, microbatches=args.microbatches,
         restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr,
+        metrics_addr=args.metrics_addr, validate=not args.no_validate,
+        pause_max_s=args.pause_max,
         tui=sys.stdout.isatty() and args.json != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
@@ -260,6 +299,42 @@ def cmd_inject(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    import os
+    from rich.console import Console
+    from . import validate
+    from .events import JsonLinesWriter, make_event
+    if bool(args.pids) == (args.world is not None):
+        raise GreyhoundError("give either PIDs of a running job or --world N")
+    if args.world is not None:
+        if args.world < 2:
+            raise GreyhoundError("--world must be at least 2 (links need two ends)")
+        members = validate.precheck_members(args.world)
+        job = f"precheck-{args.world}"
+    else:
+        if os.geteuid() != 0:
+            raise GreyhoundError("validate PID needs root (it enters the ranks' namespaces "
+                                 "and cgroups and pauses them): run it with sudo", exit_code=1)
+        members = validate.members_for_job(args.pids)
+        st = validate.read_stat(args.pids[0])
+        job = f"{st.comm if st else 'job'}-{args.pids[0]}"
+    err = Console(stderr=True)
+    v = validate.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
+                           start_timeout_s=args.timeout,
+                           progress=lambda msg: err.print(f"greyhound-trace: {msg}",
+                                                          highlight=False))
+    fields = validate.decide(v.run())
+    if args.json:
+        out = JsonLinesWriter(args.json)
+        out.write(make_event("diagnosis", job, **fields))
+        out.close()
+    if args.json != "-":
+        Console().print(validate.render(fields))
+    if fields["cause"] != "unknown":
+        return 3
+    return 0 if fields["details"]["devices"] else 1
+
+
 def cmd_check(args) -> int:
     from rich.console import Console
     from .check import exit_code, render, run_checks
@@ -278,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return {"attach": cmd_attach, "replay": cmd_replay, "check": cmd_check,
-                "inject": cmd_inject}[args.command](args)
+                "inject": cmd_inject, "validate": cmd_validate}[args.command](args)
     except GreyhoundError as e:
         print(f"greyhound-trace: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -1,0 +1,176 @@
+"""Validation benchmarks (greyhound_bpf.validate): the round schedule and the
+decision rule on fixed numbers, then real workers: a pre-check on this host,
+a CPU-quota straggler and a tbf-limited link in a running gloo job, each
+named by measurement; nothing is left running and the job goes on."""
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import GREYHOUND, ROOT, read_events, run_cli, wait_for
+from greyhound_bpf.discovery import all_stats
+from greyhound_bpf.inject import CpuQuota, LinkRate
+from greyhound_bpf.validate import Result, decide, ring_edges, schedule
+from netbed import NetBed
+
+
+# -- rounds ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,rounds", [(2, 1), (3, 3), (4, 2), (5, 3), (8, 2), (9, 3)])
+def test_ring_rounds_are_disjoint_and_cover_every_edge(n, rounds):
+    edges = ring_edges(list(range(n)))
+    got = schedule(edges)
+    assert len(got) == rounds
+    flat = [e for rnd in got for e in rnd]
+    assert sorted(flat) == sorted((min(a, b), max(a, b)) for a, b in edges)
+    for rnd in got:
+        ends = [r for e in rnd for r in e]
+        assert len(ends) == len(set(ends)), rnd
+
+
+def test_pipeline_edges_join_the_ring_schedule():
+    got = schedule(ring_edges([0, 1, 2, 3]) + [(0, 2), (2, 0), (1, 3)])
+    flat = [e for rnd in got for e in rnd]
+    assert len(flat) == len(set(flat)) == 6           # each once, duplicates merged
+    assert len(got) == 3
+
+
+# -- decision -----------------------------------------------------------------------
+
+def result(gemm, rtt):
+    return Result(devices={r: {"ms_per_gemm": v, "gflops": 1.0} for r, v in gemm.items()},
+                  links={e: {"rtt_ms": v, "gbps": 1.0, "lat_us": 50.0}
+                         for e, v in rtt.items()})
+
+
+RING4 = {(0, 1): 3.0, (1, 2): 3.1, (2, 3): 2.9, (0, 3): 3.2}
+
+
+def test_slow_device_is_named():
+    d = decide(result({0: 3.0, 1: 3.1, 2: 6.2, 3: 2.9}, RING4))
+    assert (d["cause"], d["ranks"], d["link"]) == ("computation", [2], None)
+    assert d["evidence"] == "validation" and "rank 2 x2" in d["reason"]
+
+
+def test_two_devices_the_faster_is_the_reference():
+    d = decide(result({0: 3.0, 1: 5.0}, {(0, 1): 3.0}))
+    assert (d["cause"], d["ranks"]) == ("computation", [1])
+
+
+def test_a_rank_whose_every_edge_is_slow_has_the_slow_link():
+    rtt = {**RING4, (0, 1): 60.0, (1, 2): 58.0}
+    d = decide(result({r: 3.0 for r in range(4)}, rtt))
+    assert (d["cause"], d["ranks"], d["link"]) == ("communication", [1], "rank 1")
+
+
+def test_one_slow_edge_is_named_as_an_edge():
+    rtt = {(0, 1): 3.0, (1, 2): 3.1, (2, 3): 12.0, (3, 4): 3.0, (0, 4): 2.9}
+    d = decide(result({r: 3.0 for r in range(5)}, rtt))
+    assert (d["cause"], d["link"]) == ("communication", "2<->3")
+
+
+def test_healthy_noise_is_unknown():
+    d = decide(result({0: 3.0, 1: 3.6, 2: 3.3, 3: 2.8},
+                      {(0, 1): 3.0, (1, 2): 4.0, (2, 3): 3.5, (0, 3): 2.9}))
+    assert d["cause"] == "unknown" and d["ranks"] == [] and d["link"] is None
+    assert "no slow device or link among 4 device(s) and 4 link(s)" in d["reason"]
+
+
+def test_device_and_link_both_slow_is_not_a_guess():
+    rtt = {**RING4, (0, 1): 60.0, (1, 2): 58.0}
+    d = decide(result({0: 3.0, 1: 3.0, 2: 3.0, 3: 9.0}, rtt))
+    assert d["cause"] == "unknown" and d["ranks"] == [1, 3]
+    assert "both a device and a link" in d["reason"]
+
+
+def test_nothing_measured_says_what_was_not_tested():
+    r = Result(untested=["rank 0: worker exited (1): boom"])
+    d = decide(r)
+    assert d["cause"] == "unknown" and "rank 0: worker exited (1): boom" in d["reason"]
+
+
+# -- real workers ---------------------------------------------------------------------
+
+def workers_left() -> list[str]:
+    return [s.comm for s in all_stats().values()
+            if "validate_worker" in " ".join(_cmdline(s.pid))]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+def test_precheck_table_and_event(tmp_path):
+    out = tmp_path / "v.jsonl"
+    r = run_cli("validate", "--world", "4", "--json", str(out), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr          # a healthy host: nothing slow
+    for what in ("devices (GEMM)", "links (p2p", "0<->1", "1<->2", "2<->3", "0<->3",
+                 "verdict: unknown"):
+        assert what in r.stdout, r.stdout
+    assert "p2p round 1/2: 0<->1, 2<->3" in r.stderr and "p2p round 2/2" in r.stderr
+    (ev,) = read_events(out)
+    assert ev["kind"] == "diagnosis" and ev["evidence"] == "validation"
+    assert set(ev["details"]["devices"]) == {"0", "1", "2", "3"}
+    assert all(d["gflops"] > 0.1 for d in ev["details"]["devices"].values())
+    assert len(ev["details"]["links"]) == 4 and ev["details"]["untested"] == []
+    assert workers_left() == []
+
+
+def test_bad_input_is_one_line():
+    r = run_cli("validate")
+    assert r.returncode == 2 and "either PIDs of a running job or --world N" in r.stderr
+    r = run_cli("validate", "--world", "1")
+    assert r.returncode == 2 and "at least 2" in r.stderr
+    r = run_cli("validate", "999999999")
+    assert r.returncode in (1, 2) and r.stderr.count("\n") == 1
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_cpu_quota_straggler_is_measured(ddp_job, tmp_path):
+    job = ddp_job(4, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
+    from greyhound_bpf.discovery import descendants, rank_identity
+    ranks = {rank_identity(p)[0]: p for p in descendants([job.proc.pid], all_stats())
+             if rank_identity(p)[0] is not None}
+    out = tmp_path / "v.jsonl"
+    with CpuQuota(ranks[2], 0.5):
+        r = run_cli("validate", str(job.proc.pid), "--json", str(out), timeout=180)
+    assert r.returncode == 3, r.stdout + r.stderr
+    (ev,) = read_events(out)
+    assert (ev["cause"], ev["ranks"], ev["evidence"]) == ("computation", [2], "validation")
+    assert 0 < ev["details"]["paused_s"] <= 5
+    assert "SLOW" in r.stdout
+    # The job was only paused: it goes on training.
+    n = len(job.truth_records())
+    wait_for(lambda: len(job.truth_records()) > n + 3, 60, "the job to go on")
+    assert job.proc.poll() is None
+    assert workers_left() == []
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_rate_limited_link_is_named(tmp_path):
+    truth = tmp_path / "truth.jsonl"
+    out = tmp_path / "v.jsonl"
+    bed = NetBed(4, prefix="ghv")
+    with bed:
+        pids = bed.start_ranks(truth, "--microbatches", "2", "--mb-size", "32",
+                               "--hidden", "256", "--layers", "2", port=29733)
+        wait_for(lambda: len(read_events(truth)) >= 20, 120, "the job to train")
+        with LinkRate(bed.host_dev(1), "400mbit"):
+            r = run_cli("validate", *map(str, pids), "--json", str(out), timeout=180)
+        assert r.returncode == 3, r.stdout + r.stderr
+        (ev,) = read_events(out)
+        assert (ev["cause"], ev["link"], ev["ranks"]) == ("communication", "rank 1", [1])
+        links = ev["details"]["links"]
+        assert links["0<->1"]["rtt_ms"] > 3 * links["2<->3"]["rtt_ms"]
+        assert all(p.poll() is None for p in bed.procs)       # still training
+    assert bed.leftovers() == []
+    assert workers_left() == []
