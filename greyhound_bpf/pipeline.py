@@ -40,6 +40,10 @@ class JobPipeline:
         self.job_detector = SlowdownDetector(scope="job", threshold=threshold,
                                              min_probability=min_probability)
         self._job_fed: list[tuple[int, int]] = []  # leader's (index, start_ns) per job input
+        # [start, end) wall-clock ns (iterations' clock) while validation paused the job
+        # (end None while it still is): iterations overlapping them are
+        # reported but not fed to the detectors, so a pause is no slowdown.
+        self.pauses: list[list] = []
         n = len(catalog.functions)
         self._comm_slot = np.full(n, -1, dtype=np.int64)
         self._count_slot = np.full(n, -1, dtype=np.int64)
@@ -107,6 +111,11 @@ class JobPipeline:
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
                 continue
+            if self._paused(item):
+                f = item.fields()
+                f["paused"] = True
+                out.append(("iteration", f, item.start_ns + item.dur_ns))
+                continue
             rs.last = item
             out.append(("iteration", item.fields(), item.start_ns + item.dur_ns))
             rs.fed.append((item.index, item.start_ns))
@@ -115,6 +124,11 @@ class JobPipeline:
                 out.append(self._change(cp, rs.rank, item, rs.fed))
             out += self._job_step(rs, item)
         return out
+
+    def _paused(self, item: IterationRecord) -> bool:
+        end = item.start_ns + item.dur_ns
+        return any(item.start_ns < (e if e is not None else end + 1) and end > s
+                   for s, e in self.pauses[-8:])
 
     # -- job level ------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ leaves none either, because its probes are perf-event fds the kernel closes.
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import threading
 import sys
 import time
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ class AttachOptions:
     tui: bool = False
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    validate: bool = True           # benchmark devices and links after a job slowdown
+    pause_max_s: float = 5.0
 
 
 def has_bpf_privileges() -> bool:
@@ -95,6 +99,8 @@ def describe_engine_event(kind: str, f: dict) -> str:
         return f"{head}{seq} {f['strategy']}{plan}: {f['reason']}{exp}"
     if kind == "diagnosis":
         who = f" rank(s) {f['ranks']}" if f.get("ranks") and f["cause"] == "computation" else ""
+        if f.get("link"):
+            who = f" link {f['link']}"
         return f"DIAGNOSIS ({f['evidence']}) {f['cause']}{who}: {f['reason']}"
     if kind == "applied":
         return f"APPLIED plan {f['seq']} by ranks {f['ranks']} after {f['after_ms']:.0f} ms"
@@ -149,6 +155,9 @@ class AttachSession:
         self.exited_pids: set[int] = set()
         self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
         self.outcome_due: dict | None = None       # applied, its effect not measured yet
+        self.validation = None                     # (thread, Validator) while one runs
+        self.validated: queue.SimpleQueue = queue.SimpleQueue()
+        self.validate_next: int | None = None      # a slowdown's index, waiting its turn
 
     def _default_job(self) -> str:
         st = read_stat(self.opts.pids[0]) if self.opts.pids else None
@@ -260,6 +269,7 @@ class AttachSession:
             if now >= next_scan:
                 self._rescan()
                 next_scan = now + SCAN_INTERVAL_S
+            self._collect_validation()
             if self.live is not None and now >= next_view:
                 from .tui import render
                 self.live.update(render(self._snapshot(now - t0)), refresh=True)
@@ -337,6 +347,10 @@ class AttachSession:
             for fields in self.diagnoser.observe(ev):
                 d = self.emit("diagnosis", t_ns, **fields)
                 self.tell(describe_engine_event("diagnosis", d))
+                # Validation follows the passive verdict: by then the slowdown
+                # has lasted `min_after` iterations, so blips cost no pause.
+                if self.diagnoser.slowdown is not None:
+                    self._start_validation(fields["index"])
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
@@ -349,6 +363,67 @@ class AttachSession:
             self.emit("call", rank=t.rank if t else None, pid=pid, tid=int(r["tid"]),
                       fn=fn.name, start_ns=int(r["start_ns"]) + offset, dur_ns=int(r["dur_ns"]),
                       **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
+
+    # -- validation ----------------------------------------------------------
+
+    def _start_validation(self, index: int) -> None:
+        """Benchmark every rank's device and links in the background, once
+        per job slowdown (greyhound_bpf.validate); the tracer keeps draining."""
+        if not self.opts.validate:
+            return
+        if self.validation is not None:       # one at a time: this one comes next
+            self.validate_next = index
+            return
+        from . import validate
+        if not hasattr(self, "_gpus"):
+            self._gpus = validate.gpu_count()
+        members = [validate.member_of(t.pid, t.rank, t.local_rank, self._gpus)
+                   for pid, t in sorted(self.known.items())
+                   if t.rank is not None and pid not in self.exited_pids]
+        if len(members) < 2:
+            return
+        v = validate.Validator(members, pause_max_s=self.opts.pause_max_s,
+                               progress=lambda msg: self.validated.put(("progress", msg)),
+                               pause_windows=self.pipeline.pauses)
+
+        def work():
+            try:
+                fields = validate.decide(v.run())
+            except Exception as e:          # never take the tracer down
+                fields = {"cause": "unknown", "evidence": "validation", "ranks": [],
+                          "link": None, "communicator": None, "details": {},
+                          "reason": f"validation failed: {type(e).__name__}: {e}"}
+            if not v.cancelled:             # cut short by detach: measured nothing
+                self.validated.put(("done", {**fields, "index": index}))
+        th = threading.Thread(target=work, name="greyhound-validate", daemon=True)
+        self.validation = (th, v)
+        self.say(f"validating {len(members)} ranks' devices and links (slowdown at "
+                 f"iteration {index})")
+        th.start()
+
+    def _collect_validation(self) -> None:
+        while True:
+            try:
+                what, doc = self.validated.get_nowait()
+            except queue.Empty:
+                return
+            if what == "progress":
+                self.say(f"validation: {doc}")
+                continue
+            self.validation = None
+            d = self.emit("diagnosis", **doc)
+            self.tell(describe_engine_event("diagnosis", d))
+            nxt, self.validate_next = self.validate_next, None
+            if nxt is not None and self.diagnoser.slowdown is not None and self.stop_reason is None:
+                self._start_validation(nxt)
+
+    def _stop_validation(self) -> None:
+        if self.validation is None:
+            return
+        th, v = self.validation
+        v.cancel()
+        th.join(timeout=10)
+        self._collect_validation()
 
     # -- live view -----------------------------------------------------------
 
@@ -452,6 +527,7 @@ class AttachSession:
                 self.outcome_due = p
 
     def _finish(self, t0: float) -> None:
+        self._stop_validation()
         if self.tracer and self.tracer.bpf is not None:
             self._process(self.tracer.drain())
             self._report_lost()

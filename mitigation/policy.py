@@ -142,7 +142,7 @@ class SkiRentalPolicy:
 
     def observe(self, ev: dict) -> list[Decision]:
         kind = ev.get("kind")
-        if kind == "iteration" and ev.get("rank") is not None:
+        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused"):
             return self._iteration(ev)
         if kind == "slowdown" and ev.get("scope") == "job":
             if not self.slow:

@@ -47,19 +47,25 @@ def summarize(work: Path, t: dict) -> int:
     slow = first(evs, lambda e: e["kind"] == "slowdown" and e.get("scope") == "job"
                  and e["time_ns"] > inj)
     plan = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > inj
-                 and e.get("strategy") == "rebalance_microbatches" and e.get("seq"))
+                 and e.get("strategy") == "rebalance_microbatches" and e.get("seq")
+                 and e.get("plan"))
     applied = plan and first(evs, lambda e: e["kind"] == "applied" and e["seq"] == plan["seq"])
-    even = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift and e.get("seq")
+    even = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift and e.get("plan")
                  and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1)
     even_applied = even and first(evs, lambda e: e["kind"] == "applied"
                                   and e["seq"] == even["seq"])
     # The first verdict that names a cause (a slowdown that ramps up over a
     # few iterations can first be reported as a smaller step, found unknown).
-    diags = [e for e in evs if e["kind"] == "diagnosis" and e["time_ns"] > inj]
-    diag = first(diags, lambda e: e["cause"] != "unknown") or (diags[0] if diags else None)
-    named = None
-    if diag and diag["cause"] == "computation" and len(diag["ranks"]) == 1:
-        named = diag["ranks"][0]
+    def verdict(evidence):
+        diags = [e for e in evs if e["kind"] == "diagnosis" and e["time_ns"] > inj
+                 and e["evidence"] == evidence]
+        d = first(diags, lambda e: e["cause"] != "unknown") or (diags[0] if diags else None)
+        rank = None
+        if d and d["cause"] == "computation" and len(d["ranks"]) == 1:
+            rank = d["ranks"][0]
+        return d, rank
+    diag, named = verdict("passive")
+    vdiag, vnamed = verdict("validation")
 
     def ms(lo, hi):
         v, n = median_dur(truth, lo, hi)
@@ -86,11 +92,14 @@ def summarize(work: Path, t: dict) -> int:
     s = lambda e, base: "-" if not e else f"{(e['time_ns'] - base) / 1e9:.1f} s"  # noqa: E731
     miles.add_row("slowdown detected", s(slow, inj),
                   "" if not slow else f"x{slow['ratio']:.2f}, p={slow['probability']:.2f}")
-    miles.add_row("diagnosis", s(diag, inj),
-                  "" if not diag else
-                  f"{diag['cause']}" + ("" if named is None else f", rank {named}"
-                                        f"{' (correct)' if named == SLOW_RANK else ' (WRONG)'}")
-                  + f", {diag['evidence']}")
+    for d, who in ((diag, named), (vdiag, vnamed)):
+        paused = (f", job paused {d['details']['paused_s']:.1f} s"
+                  if d and "paused_s" in d.get("details", {}) else "")
+        miles.add_row("diagnosis" if d is diag else "validated diagnosis", s(d, inj),
+                      "" if not d else
+                      f"{d['cause']}" + ("" if who is None else f", rank {who}"
+                                         f"{' (correct)' if who == SLOW_RANK else ' (WRONG)'}")
+                      + f", {d['evidence']}{paused}")
     miles.add_row("rebalance planned", s(plan, inj), "" if not plan else "micro-batches " + "/".join(
         str(v) for _, v in sorted(plan["plan"]["microbatches"].items(), key=lambda kv: int(kv[0]))))
     miles.add_row("plan applied by every rank", s(applied, inj),
@@ -101,9 +110,11 @@ def summarize(work: Path, t: dict) -> int:
     con = Console()
     con.print(phases)
     con.print(miles)
-    ok = bool(slow and plan and applied and even_applied and named == SLOW_RANK)
+    ok = bool(slow and plan and applied and even_applied and named == SLOW_RANK
+              and vnamed == SLOW_RANK)
     print(f"demo: {'story complete' if ok else 'story INCOMPLETE'}: detection "
           f"{'yes' if slow else 'no'}, diagnosis {'rank ' + str(named) if named is not None else 'no'}"
+          f", validated {'rank ' + str(vnamed) if vnamed is not None else 'no'}"
           f", rebalance {'yes' if applied else 'no'}, recovery {'yes' if even_applied else 'no'}"
           f" (events and logs in {work})", flush=True)
     return 0 if ok else 1
