@@ -9,9 +9,10 @@ after the onset with before it:
   (they wait for it in the collective; DESIGN.md: with synchronous gloo
   collectives the slow rank waits least);
 - **communication**: blocked time grew by at least half the slowdown on every
-  rank while no rank's compute grew by more than a quarter of it (naming the
-  communicator and link is #4's validation work; gloo exposes no communicator
-  handle to the probes);
+  rank while no rank's compute grew by more than a quarter of it; the
+  communicator named is the smallest one of the communicator map
+  (greyhound_bpf.topology) that holds every such rank. When only the two
+  ends of a pipeline (p2p) edge wait longer, that edge is the link;
 - otherwise ``unknown``, with the numbers: never a guess.
 
 The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
@@ -34,8 +35,9 @@ class _Series:
 
 
 class PassiveDiagnoser:
-    def __init__(self, window: int = 16, min_after: int = 10):
+    def __init__(self, window: int = 16, min_after: int = 10, topology=None):
         self.window, self.min_after = window, min_after
+        self.topology = topology           # greyhound_bpf.topology.Topology, optional
         self.ranks: dict[int, _Series] = {}
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
@@ -96,11 +98,23 @@ class PassiveDiagnoser:
                          "reason": f"rank {s}'s compute grew {d_comp[s]:.1f} ms per iteration "
                                    f"while the others waited {statistics.median(d_comm[r] for r in others):.1f} ms "
                                    "longer in collectives"}]
-        if (all(d >= GROW * delta for d in d_comm.values())
-                and all(d < FLAT * delta for d in d_comp.values())):
-            return [{**out, "cause": "communication", "ranks": sorted(per),
-                     "reason": f"time in collectives grew {statistics.median(d_comm.values()):.1f}"
-                               " ms per iteration on every rank; compute stayed flat"}]
+        waited = sorted(r for r, d in d_comm.items() if d >= GROW * delta)
+        flat = all(d < FLAT * delta for d in d_comp.values())
+        topo = self.topology.fields() if self.topology is not None else None
+        if flat and waited == sorted(per):
+            comm = self.topology.communicator_of(waited) if topo else None
+            where = f" of {comm['name']}" if comm else ""
+            return [{**out, "cause": "communication", "ranks": waited,
+                     "communicator": comm["name"] if comm else None,
+                     "reason": f"time in collectives{where} grew "
+                               f"{statistics.median(d_comm.values()):.1f} ms per iteration on "
+                               "every rank; compute stayed flat"}]
+        if flat and topo and len(waited) == 2 and waited in topo["p2p_edges"]:
+            a, b = waited
+            return [{**out, "cause": "communication", "ranks": waited, "link": f"{a}<->{b}",
+                     "reason": f"only ranks {a} and {b}, the ends of a pipeline edge, wait "
+                               f"longer ({d_comm[a]:.1f} and {d_comm[b]:.1f} ms per iteration);"
+                               " compute stayed flat"}]
         return [{**out, "cause": "unknown",
                  "reason": "neither one rank's compute nor every rank's communication "
                            "accounts for the slowdown"}]

@@ -102,6 +102,13 @@ def describe_engine_event(kind: str, f: dict) -> str:
         if f.get("link"):
             who = f" link {f['link']}"
         return f"DIAGNOSIS ({f['evidence']}) {f['cause']}{who}: {f['reason']}"
+    if kind == "topology":
+        parts = [f"{c['name']} ranks {_span(c['ranks'])} ({c['source']}"
+                 + (f", from {c['parent']}" if c.get("parent") else "")
+                 + (", FAILED" if c["state"] == "failed" else "") + ")"
+                 for c in f["communicators"]]
+        edges = ", ".join(f"{a}<->{b}" for a, b in f["p2p_edges"])
+        return "TOPOLOGY " + "; ".join(parts) + (f"; p2p edges {edges}" if edges else "")
     if kind == "applied":
         return f"APPLIED plan {f['seq']} by ranks {f['ranks']} after {f['after_ms']:.0f} ms"
     if kind == "pattern":
@@ -109,6 +116,13 @@ def describe_engine_event(kind: str, f: dict) -> str:
         return (f"pattern rank {f['rank']}: {f['period_calls']} calls per iteration{prev}"
                 + (", split at long host gaps" if f["gap_classes"] else ""))
     return f"{kind} {f}"
+
+
+def _span(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> '0-3'; anything else as a list."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 class AttachSession:
@@ -144,7 +158,9 @@ class AttachSession:
                 raise GreyhoundError(f"--control-file: {e}") from None
         from mitigation.policy import SkiRentalPolicy
         from .diagnosis import PassiveDiagnoser
-        self.diagnoser = PassiveDiagnoser()
+        from .topology import Topology
+        self.topology = Topology(self.catalog)
+        self.diagnoser = PassiveDiagnoser(topology=self.topology)
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
                                       restart_estimate_s=opts.restart_estimate_s)
         self.metrics = None
@@ -269,6 +285,10 @@ class AttachSession:
             if now >= next_scan:
                 self._rescan()
                 next_scan = now + SCAN_INTERVAL_S
+                topo = self.topology.changed()
+                if topo:
+                    ev = self.emit("topology", **topo)
+                    self.tell(describe_engine_event("topology", ev))
             self._collect_validation()
             if self.live is not None and now >= next_view:
                 from .tui import render
@@ -338,6 +358,7 @@ class AttachSession:
             return
         groups = self.stats.add(recs)
         ranks = {pid: t.rank for pid, t in self.known.items()}
+        self.topology.feed(recs, ranks)
         if self.metrics:
             self.metrics.count_calls(groups, ranks, self._fn_names)
         for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
@@ -382,7 +403,8 @@ class AttachSession:
                    if t.rank is not None and pid not in self.exited_pids]
         if len(members) < 2:
             return
-        v = validate.Validator(members, pause_max_s=self.opts.pause_max_s,
+        edges = validate.edges_of(self.topology.fields(), [m.rank for m in members])
+        v = validate.Validator(members, edges, pause_max_s=self.opts.pause_max_s,
                                progress=lambda msg: self.validated.put(("progress", msg)),
                                pause_windows=self.pipeline.pauses)
 

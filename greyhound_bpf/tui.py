@@ -73,6 +73,8 @@ class TuiState:
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "iteration":
+            if ev.get("paused"):                  # validation's pause: not the job's speed
+                return
             rank = ev.get("rank")
             self._last[rank] = ev["dur_ns"] / 1e6
             if self._lowest is None or (rank is not None and rank < self._lowest):
@@ -103,7 +105,7 @@ class TuiState:
 
 def describe(kind: str, ev: dict) -> str | None:
     from .session import describe_engine_event
-    if kind in ("slowdown", "recovery", "action", "applied", "diagnosis"):
+    if kind in ("slowdown", "recovery", "action", "applied", "diagnosis", "topology"):
         return describe_engine_event(kind, ev)
     if kind == "lost":
         return f"ring buffer full: {ev['count']} records lost ({ev['total']} in all)"

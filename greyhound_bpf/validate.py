@@ -173,8 +173,9 @@ def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
 
 
 def ring_edges(ranks: list[int]) -> list[tuple[int, int]]:
-    """Ring neighbours in rank order (the order NCCL and gloo rings use by default)."""
-    r = sorted(ranks)
+    """Ring neighbours in the order given: a communicator's ranks in their
+    communicator-rank order (the order NCCL and gloo rings use by default)."""
+    r = list(ranks)
     if len(r) < 2:
         return []
     if len(r) == 2:
@@ -389,7 +390,7 @@ class Validator:
             raise GreyhoundError(f"ranks are not unique: {ranks}")
         # torch.distributed numbers workers 0..n-1; ranks may be a subset.
         self.index = {m.rank: i for i, m in enumerate(self.members)}
-        self.edges = edges if edges is not None else ring_edges(ranks)
+        self.edges = edges if edges is not None else ring_edges(sorted(ranks))
         self.pause, self.pause_max_s = pause, pause_max_s
         self.start_timeout_s = start_timeout_s
         self.progress = progress or (lambda msg: None)
@@ -641,6 +642,17 @@ def members_for_job(pids: list[int]) -> list[Member]:
             "(or an MPI/Slurm rank variable) and a probed library mapped")
     gpus = gpu_count()
     return [member_of(t.pid, t.rank, t.local_rank, gpus) for t in ranked]
+
+
+def edges_of(topology: dict | None, ranks: list[int]) -> list[tuple[int, int]]:
+    """Ring edges of every communicator of a `topology` event's map, and its
+    pipeline edges, among `ranks`; the ring of all ranks without a map."""
+    have = set(ranks)
+    edges: list[tuple[int, int]] = []
+    for c in (topology or {}).get("communicators", []):
+        edges += ring_edges([r for r in c["ranks"] if r in have])
+    edges += [(a, b) for a, b in (topology or {}).get("p2p_edges", []) if a in have and b in have]
+    return edges or ring_edges(sorted(ranks))
 
 
 def precheck_members(world: int) -> list[Member]:

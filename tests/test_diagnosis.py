@@ -62,3 +62,40 @@ def test_waits_for_enough_iterations_and_says_once():
     d.observe(slowdown(30))
     assert feed(d, 4, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []
     assert len(feed(d, 20, [20, 20, 40, 20], [30, 30, 10, 30], start=34)) == 1
+
+
+def topology_with(records):
+    import numpy as np
+    from greyhound_bpf.catalog import load_catalog
+    from greyhound_bpf.topology import Topology
+    from test_topology import rec
+    t = Topology(load_catalog())
+    t.feed(np.concatenate(records), {100 + r: r for r in range(4)})
+    t.changed()
+    return t
+
+
+def test_communication_names_the_communicator():
+    from greyhound_bpf.topology import GLOO_PATTERN_CALLS
+    from test_topology import rec
+    topo = topology_with([rec(100 + r, "gloo::allreduce", count=64, elem_size=4)
+                          for r in range(4) for _ in range(GLOO_PATTERN_CALLS)])
+    d = PassiveDiagnoser(topology=topo)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [20] * 4, [25] * 4, start=30)
+    assert [(v["cause"], v["communicator"]) for v in out] == [("communication", "gloo:0")]
+    assert "of gloo:0" in out[0]["reason"]
+
+
+def test_pipeline_edge_is_the_link():
+    from test_topology import rec
+    topo = topology_with(
+        [rec(100 + r, "ncclCommInitRank", comm=0x10 + r, nranks=4, comm_rank=r) for r in range(4)]
+        + [rec(101, "ncclSend", comm=0x11, peer=3, count=8),
+           rec(103, "ncclRecv", comm=0x13, peer=1, count=8)])
+    d = PassiveDiagnoser(topology=topo)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [20] * 4, [10, 30, 10, 30], start=30)
+    assert [(v["cause"], v["link"], v["ranks"]) for v in out] == [("communication", "1<->3", [1, 3])]

@@ -1,7 +1,8 @@
 """Live communication slowdown: a 4-rank gloo DDP job whose ranks sit in
 their own network namespaces; `greyhound-trace inject link` puts a tbf rate
 limit on rank 1's link. Passive diagnosis says `communication` (never
-`computation`); lifting the limit gives a recovery; nothing is left."""
+`computation`); validation, run by attach after that verdict, names rank 1's
+link; lifting the limit gives a recovery; nothing is left."""
 import subprocess
 import time
 
@@ -28,11 +29,15 @@ def test_link_slowdown_is_communication(tracer, tmp_path):
                  120, "150 healthy iterations", interval=0.5)
         start = time.time_ns()
         inj = subprocess.Popen([*GREYHOUND, "inject", "link", "--dev", bed.host_dev(1),
-                                "--rate", "400mbit", "--for", "20"], cwd=ROOT,
+                                "--rate", "400mbit", "--for", "40"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         diag = wait_for(lambda: [e for e in t.events("diagnosis")
                                  if e["time_ns"] > start and e["cause"] != "unknown"], 60,
                         "a diagnosis of the link slowdown", interval=0.5)[0]
+        val = wait_for(lambda: [e for e in t.events("diagnosis") if e["time_ns"] > start
+                                and e["evidence"] == "validation"
+                                and e["cause"] != "unknown"], 60,
+                       "a validated diagnosis", interval=0.5)[0]
         out, _ = inj.communicate(timeout=60)
         assert inj.returncode == 0 and "undone" in out
         wait_for(lambda: [e for e in t.events("recovery") if e["scope"] == "job"
@@ -40,6 +45,8 @@ def test_link_slowdown_is_communication(tracer, tmp_path):
                  interval=0.5)
         assert t.stop() == 0
         assert diag["cause"] == "communication" and diag["evidence"] == "passive"
+        assert (val["cause"], val["link"], val["ranks"]) == ("communication", "rank 1", [1])
+        assert val["details"]["paused_s"] <= 5
         assert not [e for e in t.events("diagnosis") if e["cause"] == "computation"]
         assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", bed.host_dev(1)],
                                            capture_output=True, text=True).stdout

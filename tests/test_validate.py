@@ -174,3 +174,13 @@ def test_rate_limited_link_is_named(tmp_path):
         assert all(p.poll() is None for p in bed.procs)       # still training
     assert bed.leftovers() == []
     assert workers_left() == []
+
+
+def test_edges_follow_the_communicator_map():
+    from greyhound_bpf.validate import edges_of
+    topo = {"communicators": [{"ranks": [0, 1, 2, 3]}, {"ranks": [2, 0]}],
+            "p2p_edges": [[1, 3]]}
+    got = edges_of(topo, [0, 1, 2, 3])
+    assert set(got) == {(0, 1), (1, 2), (2, 3), (3, 0), (2, 0), (1, 3)}
+    assert edges_of(None, [2, 0, 1]) == [(0, 1), (1, 2), (2, 0)]
+    assert edges_of(topo, [0, 1]) == [(0, 1)]
