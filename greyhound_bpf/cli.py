@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest the job may be paused (default 5)")
     v.add_argument("--timeout", type=_positive, default=60.0, metavar="S",
                    help="longest wait for the workers to start (default 60)")
+    v.add_argument("--python", default=sys.executable, metavar="PATH",
+                   help="interpreter for the workers, with PyTorch (default: this one; "
+                        "e.g. the job's own)")
 
     c = sub.add_parser("check", help="can this machine trace? what does PID map?",
                        description="Check every requirement of `attach` and print the fix\n"
@@ -318,9 +321,10 @@ def cmd_validate(args) -> int:
         members = validate.members_for_job(args.pids)
         st = validate.read_stat(args.pids[0])
         job = f"{st.comm if st else 'job'}-{args.pids[0]}"
+    validate.check_python(args.python)
     err = Console(stderr=True)
     v = validate.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
-                           start_timeout_s=args.timeout,
+                           start_timeout_s=args.timeout, python=args.python,
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",
                                                           highlight=False))
     fields = validate.decide(v.run())

@@ -13,7 +13,10 @@ after the onset with before it:
   communicator named is the smallest one of the communicator map
   (greyhound_bpf.topology) that holds every such rank. When only the two
   ends of a pipeline (p2p) edge wait longer, that edge is the link;
-- otherwise ``unknown``, with the numbers: never a guess.
+- otherwise ``unknown``, with the numbers: never a guess;
+- a slowdown that began while validation workers were starting or measuring
+  on this machine (`busy` windows) is ``unknown`` too: that load is ours, and
+  on a busy host it slows some rank down for real.
 
 The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
 over `window` iterations on each side of the onset; a verdict needs
@@ -25,6 +28,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+# A slowdown is our own when it begins this close to validation activity.
+BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 5_000_000_000
 GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 
@@ -38,6 +43,9 @@ class PassiveDiagnoser:
     def __init__(self, window: int = 16, min_after: int = 10, topology=None):
         self.window, self.min_after = window, min_after
         self.topology = topology           # greyhound_bpf.topology.Topology, optional
+        # [start, end) wall-clock ns of validation activity on this machine,
+        # end None while it lasts (kept up to date by the session)
+        self.busy: list[list] = []
         self.ranks: dict[int, _Series] = {}
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
@@ -87,6 +95,13 @@ class PassiveDiagnoser:
                              for r, p in sorted(per.items())}}
         out = {"evidence": "passive", "index": self.slowdown["index"], "details": details,
                "ranks": [], "communicator": None, "link": None}
+        onset = self.onset_ns
+        if any(s - BUSY_BEFORE_NS <= onset and (e is None or onset <= e + BUSY_AFTER_NS)
+               for s, e in self.busy):
+            details["own_load"] = True
+            return [{**out, "cause": "unknown",
+                     "reason": "began while validation workers were starting or measuring "
+                               "on this machine: load of our own, not the job's"}]
         if delta <= 0:
             return [{**out, "cause": "unknown", "reason": "iteration time did not grow"}]
         grew = [r for r, d in d_comp.items() if d >= GROW * delta]

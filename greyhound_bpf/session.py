@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import threading
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +39,9 @@ POLL_MS = 200
 FLUSH_S = 0.5
 # How often the live view is redrawn.
 VIEW_S = 0.25
+# Job iterations before validation workers are started (their start costs
+# CPU; the detectors first learn the job's healthy speed).
+POOL_AFTER_ITERATIONS = 30
 
 
 @dataclass
@@ -171,9 +173,8 @@ class AttachSession:
         self.exited_pids: set[int] = set()
         self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
         self.outcome_due: dict | None = None       # applied, its effect not measured yet
-        self.validation = None                     # (thread, Validator) while one runs
+        self.validator = None                      # validate.Service, once the job runs
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
-        self.validate_next: int | None = None      # a slowdown's index, waiting its turn
 
     def _default_job(self) -> str:
         st = read_stat(self.opts.pids[0]) if self.opts.pids else None
@@ -284,6 +285,8 @@ class AttachSession:
                 next_lost = now + LOST_CHECK_S
             if now >= next_scan:
                 self._rescan()
+                self._keep_validation_pool()
+                self._note_busy()
                 next_scan = now + SCAN_INTERVAL_S
                 topo = self.topology.changed()
                 if topo:
@@ -370,7 +373,8 @@ class AttachSession:
                 self.tell(describe_engine_event("diagnosis", d))
                 # Validation follows the passive verdict: by then the slowdown
                 # has lasted `min_after` iterations, so blips cost no pause.
-                if self.diagnoser.slowdown is not None:
+                if (self.diagnoser.slowdown is not None
+                        and not fields["details"].get("own_load")):
                     self._start_validation(fields["index"])
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
@@ -387,41 +391,55 @@ class AttachSession:
 
     # -- validation ----------------------------------------------------------
 
-    def _start_validation(self, index: int) -> None:
-        """Benchmark every rank's device and links in the background, once
-        per job slowdown (greyhound_bpf.validate); the tracer keeps draining."""
-        if not self.opts.validate:
-            return
-        if self.validation is not None:       # one at a time: this one comes next
-            self.validate_next = index
-            return
+    def _members(self):
         from . import validate
         if not hasattr(self, "_gpus"):
             self._gpus = validate.gpu_count()
-        members = [validate.member_of(t.pid, t.rank, t.local_rank, self._gpus)
-                   for pid, t in sorted(self.known.items())
-                   if t.rank is not None and pid not in self.exited_pids]
+        return [validate.member_of(t.pid, t.rank, t.local_rank, self._gpus)
+                for pid, t in sorted(self.known.items())
+                if t.rank is not None and pid not in self.exited_pids
+                and os.path.exists(f"/proc/{pid}")]
+
+    def _note_busy(self) -> None:
+        """Windows of validation activity on this machine (ours or another
+        greyhound's), for the passive diagnosis."""
+        from .validate import busy_since
+        since, w = busy_since(), self.diagnoser.busy
+        if since is not None and not (w and w[-1][1] is None):
+            w.append([since, None])
+        elif since is None and w and w[-1][1] is None:
+            w[-1][1] = time.time_ns()
+        del w[:-32]
+
+    def _keep_validation_pool(self) -> None:
+        """Once the job has run a while (the detectors have their baseline),
+        keep idle validation workers for its current ranks."""
+        if not self.opts.validate or len(self.pipeline._job_fed) < POOL_AFTER_ITERATIONS:
+            return
+        if self.validator is None:
+            from .validate import Service
+            self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
+                                     self.opts.pause_max_s, self.pipeline.pauses)
+        self.validator.keep(self._members())
+
+    def _start_validation(self, index: int) -> None:
+        """Benchmark every rank's device and links in the background
+        (greyhound_bpf.validate.Service); the tracer keeps draining."""
+        if not self.opts.validate:
+            return
+        if self.validator is None:
+            from .validate import Service
+            self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
+                                     self.opts.pause_max_s, self.pipeline.pauses)
+        members = self._members()
         if len(members) < 2:
             return
-        edges = validate.edges_of(self.topology.fields(), [m.rank for m in members])
-        v = validate.Validator(members, edges, pause_max_s=self.opts.pause_max_s,
-                               progress=lambda msg: self.validated.put(("progress", msg)),
-                               pause_windows=self.pipeline.pauses)
-
-        def work():
-            try:
-                fields = validate.decide(v.run())
-            except Exception as e:          # never take the tracer down
-                fields = {"cause": "unknown", "evidence": "validation", "ranks": [],
-                          "link": None, "communicator": None, "details": {},
-                          "reason": f"validation failed: {type(e).__name__}: {e}"}
-            if not v.cancelled:             # cut short by detach: measured nothing
-                self.validated.put(("done", {**fields, "index": index}))
-        th = threading.Thread(target=work, name="greyhound-validate", daemon=True)
-        self.validation = (th, v)
-        self.say(f"validating {len(members)} ranks' devices and links (slowdown at "
-                 f"iteration {index})")
-        th.start()
+        self.validator.keep(members)
+        from .validate import edges_of
+        edges = edges_of(self.topology.fields(), [m.rank for m in members])
+        if self.validator.request(index, edges):
+            self.say(f"validating {len(members)} ranks' devices and links (slowdown at "
+                     f"iteration {index})")
 
     def _collect_validation(self) -> None:
         while True:
@@ -432,20 +450,13 @@ class AttachSession:
             if what == "progress":
                 self.say(f"validation: {doc}")
                 continue
-            self.validation = None
             d = self.emit("diagnosis", **doc)
             self.tell(describe_engine_event("diagnosis", d))
-            nxt, self.validate_next = self.validate_next, None
-            if nxt is not None and self.diagnoser.slowdown is not None and self.stop_reason is None:
-                self._start_validation(nxt)
 
     def _stop_validation(self) -> None:
-        if self.validation is None:
-            return
-        th, v = self.validation
-        v.cancel()
-        th.join(timeout=10)
-        self._collect_validation()
+        if self.validator is not None:
+            self.validator.close()
+            self._collect_validation()
 
     # -- live view -----------------------------------------------------------
 

@@ -50,6 +50,7 @@ devices differ by a few percent, and a MAD of 0 would flag noise).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -70,12 +71,12 @@ LINK_SLOW_RATIO = 2.0        # links
 ROBUST_Z = 4.0
 MAD_FLOOR = 0.05
 P2P_BYTES = 4 << 20
+P2P_BYTES_GPU = 64 << 20     # NVLink/InfiniBand: launch overhead would dominate 4 MiB
 GEMM_SECONDS = 0.4           # per device and pass; CPU GEMMs run one after another
 P2P_SECONDS = 0.2            # per edge
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
 STEP_TIMEOUT_S = 15.0        # one benchmark command
 PAUSE_MAX_S = 5.0
-WORKER_NICE = 10
 # Variables of the rank that a worker must share to use the same network
 # path and device.
 PASS_ENV = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
@@ -167,7 +168,9 @@ def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
         affinity = os.sched_getaffinity(pid)
     except OSError:
         affinity = None
-    device = f"cuda:{local_rank or 0}" if gpus else "cpu"
+    # One GPU visible to the rank (Slurm, many launchers): it is cuda:0.
+    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    device = ("cuda:0" if len(visible) == 1 else f"cuda:{local_rank or 0}") if gpus else "cpu"
     return Member(rank, pid, device, netns, cgroups_of(pid), affinity,
                   {k: env[k] for k in PASS_ENV if k in env})
 
@@ -256,14 +259,123 @@ class Pause:
             self.watchdog.wait()
 
 
+class MeasureLock:
+    """One validation measures at a time on a machine: two would pause the
+    job on top of each other and measure each other's load. A file lock,
+    released by the kernel if we die."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        self.fh = None
+        base = Path("/run/greyhound") if os.geteuid() == 0 else Path(tempfile.gettempdir())
+        self.path = base / ("validate.lock" if os.geteuid() == 0
+                            else f"greyhound-validate-{os.geteuid()}.lock")
+
+    def __enter__(self) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fh = open(self.path, "a")
+        except OSError:
+            return True                     # no lock file possible: measure anyway
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        if self.fh:
+            self.fh.close()                 # releases the lock
+
+
+class Busy:
+    """Announces that validation workers are starting or measuring on this
+    machine: a file per activity, gone when it ends (a dead writer's file is
+    ignored). Both put load on the host (importing torch; a paused job;
+    GEMMs), so a tracer on this machine does not blame a job slowdown that
+    begins meanwhile on the job (`busy_since`)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.path = None
+
+    @staticmethod
+    def directory() -> Path:
+        if os.geteuid() == 0:
+            return Path("/run/greyhound/validating")
+        return Path(tempfile.gettempdir()) / f"greyhound-validating-{os.geteuid()}"
+
+    def __enter__(self) -> "Busy":
+        try:
+            d = self.directory()
+            d.mkdir(parents=True, exist_ok=True)
+            self.path = d / f"{os.getpid()}-{id(self):x}.json"
+            self.path.write_text(json.dumps({"pid": os.getpid(), "since_ns": time.time_ns(),
+                                             "what": self.what}))
+        except OSError:
+            self.path = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+
+def busy_since() -> int | None:
+    """Wall-clock ns since when validation has been busy on this machine, or
+    None when it is not."""
+    since = None
+    try:
+        files = list(Busy.directory().glob("*.json"))
+    except OSError:
+        return None
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if read_stat(int(doc.get("pid", 0))) is None:
+            continue
+        since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
+    return since
+
+
 # -- workers ------------------------------------------------------------------------
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
 
 class WorkerError(Exception):
     pass
 
 
+WORKER_SCRIPT = str(Path(__file__).with_name("validate_worker.py"))
+
+
+def check_python(python: str) -> None:
+    """Workers need PyTorch in `python` (they import nothing of ours: a
+    job's own interpreter works)."""
+    r = subprocess.run([python, "-c", "import torch.distributed"], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise GreyhoundError(
+            f"validation needs PyTorch in {python} ({(r.stderr.strip().splitlines() or ['?'])[-1]}):"
+            " pip install torch there, or point --python at the job's interpreter")
+
+
 class _Worker:
-    def __init__(self, m: Member, world: int, timeout_s: float):
+    def __init__(self, m: Member, world: int, timeout_s: float, python: str = sys.executable):
         self.m = m
         self.err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ)
@@ -272,11 +384,11 @@ class _Worker:
         env.update(m.env, GH_VAL_RANK=str(m.rank), GH_VAL_WORLD=str(world),
                    GH_VAL_DEVICE=m.device, GH_VAL_TIMEOUT_S=str(timeout_s),
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # Niced: starting (importing torch) competes with the running job for
-        # CPU; the measurements run while the job is paused, when nice does
-        # not matter, and every worker has the same.
-        cmd = ["nice", "-n", str(WORKER_NICE), sys.executable, "-m",
-               "greyhound_bpf.validate_worker"]
+        # SCHED_IDLE while starting: importing torch would otherwise take CPU
+        # from the running job (and, on a busy host, slow it down: a slowdown
+        # of our own making). place() makes it a normal task to measure,
+        # while the job is paused.
+        cmd = ["chrt", "--idle", "0", python, WORKER_SCRIPT]
         if m.netns:
             cmd = ["nsenter", f"--net={m.netns}", "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -294,6 +406,11 @@ class _Worker:
         the worker started). Not earlier: in a throttled rank's group the
         worker's start-up would share the quota with the busy rank and take
         minutes. Writing cgroup.procs moves every thread of the worker."""
+        for tid in _threads(self.proc.pid):
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
         if self.m.pid is not None:
             self.m.cgroups = cgroups_of(self.m.pid) or self.m.cgroups
             try:
@@ -308,6 +425,15 @@ class _Worker:
         if self.m.affinity:
             try:
                 os.sched_setaffinity(self.proc.pid, self.m.affinity)
+            except OSError:
+                pass
+
+    def idle(self) -> None:
+        """Between measurements: out of the rank's groups, and SCHED_IDLE."""
+        self.unplace()
+        for tid in _threads(self.proc.pid):
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except OSError:
                 pass
 
@@ -335,7 +461,7 @@ class _Worker:
         return (f"worker exited ({rc})" if rc is not None else "worker stopped answering") + (
             f": {tail[-1][:200]}" if tail else "")
 
-    def read(self, deadline: float) -> dict:
+    def read(self, deadline: float, expect: tuple[str, ...] = ()) -> dict:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -348,9 +474,15 @@ class _Worker:
                     raise WorkerError(self.why_dead())
                 self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        doc = json.loads(line)
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            raise WorkerError(f"unreadable answer: {line[:100]!r}") from None
         if "error" in doc:
             raise WorkerError(doc["error"])
+        missing = [k for k in expect if k not in doc]
+        if missing:
+            raise WorkerError(f"answer without {', '.join(missing)}: {line[:100]!r}")
         return doc
 
     def kill(self) -> None:
@@ -381,7 +513,7 @@ class Validator:
     def __init__(self, members: list[Member], edges: list[tuple[int, int]] | None = None,
                  pause: bool = True, pause_max_s: float = PAUSE_MAX_S,
                  start_timeout_s: float = START_TIMEOUT_S, progress=None,
-                 pause_windows: list | None = None):
+                 pause_windows: list | None = None, python: str = sys.executable):
         if len(members) < 1:
             raise GreyhoundError("nothing to validate: no ranks")
         self.members = sorted(members, key=lambda m: m.rank)
@@ -395,8 +527,11 @@ class Validator:
         self.start_timeout_s = start_timeout_s
         self.progress = progress or (lambda msg: None)
         self.pause_windows = pause_windows
+        self.python = python
         self.workers: dict[int, _Worker] = {}
+        self.ready: list[int] = []
         self.cancelled = False
+        self.broken = False
 
     def cancel(self) -> None:
         """From another thread: kill the workers; run() then returns at once
@@ -407,10 +542,47 @@ class Validator:
                 w.proc.kill()
 
     def run(self) -> Result:
-        res = Result()
+        """Start, measure once, stop: `greyhound-trace validate`."""
         t0 = time.monotonic()
         try:
-            ready = self._start(res)
+            untested = self.start()
+            res = self.measure() if self.ready else Result()
+        finally:
+            self.close()
+        res.untested = untested + res.untested
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def start(self) -> list[str]:
+        """Start the workers and join them into one group (while the job
+        runs on). Returns what could not be started."""
+        res = Result()
+        with Busy("start"):
+            self.ready = self._start(res)
+        return res.untested
+
+    def alive(self) -> bool:
+        return bool(self.ready) and not self.broken and all(
+            w.proc.poll() is None for w in self.workers.values())
+
+    def measure(self, edges: list[tuple[int, int]] | None = None) -> Result:
+        """Pause the job, GEMM per device, p2p per edge, resume. Workers
+        stay up for the next call unless a step failed (then `broken`)."""
+        res = Result()
+        t0 = time.monotonic()
+        if edges is not None:
+            self.edges = edges
+        ready = [r for r in self.ready if self.workers[r].proc.poll() is None]
+        for r in sorted(set(self.ready) - set(ready)):
+            res.untested.append(f"rank {r}: worker exited")
+        n_untested = len(res.untested)
+        lock = MeasureLock()
+        if ready and not lock.__enter__():
+            res.untested.append("everything: another validation kept measuring for "
+                                f"{lock.timeout_s:.0f} s")
+            ready = []
+        busy = Busy("measure").__enter__()
+        try:
             if ready:
                 pids = [m.pid for m in self.members if m.pid] if self.pause else []
                 pause = Pause(pids, self.pause_max_s, self.pause_windows)
@@ -422,11 +594,20 @@ class Validator:
                         res.untested.append("links: not every worker started")
                 res.paused_s = pause.seconds
         finally:
+            lock.__exit__()
             for w in self.workers.values():
-                w.kill()
-            self.workers.clear()
+                w.idle()
+            busy.__exit__()
+        if len(res.untested) > n_untested:
+            self.broken = True
         res.seconds = time.monotonic() - t0
         return res
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.kill()
+        self.workers.clear()
+        self.ready = []
 
     def _start(self, res: Result) -> list[int]:
         n = len(self.members)
@@ -440,7 +621,7 @@ class Validator:
             try:
                 self.workers[m.rank] = _Worker(
                     Member(self.index[m.rank], m.pid, m.device, m.netns, m.cgroups,
-                           m.affinity, m.env), n, STEP_TIMEOUT_S)
+                           m.affinity, m.env), n, STEP_TIMEOUT_S, self.python)
             except OSError as e:
                 res.untested.append(f"rank {m.rank}: worker did not start ({e})")
         deadline = time.monotonic() + self.start_timeout_s
@@ -449,7 +630,7 @@ class Validator:
             res.untested.append("links: no worker for the first rank, which hosts the store")
             return []
         try:
-            port = self.workers[first].read(deadline)["port"]
+            port = self.workers[first].read(deadline, ("port",))["port"]
         except WorkerError as e:
             res.untested.append(f"rank {first}: {e}")
             self.workers.pop(first).kill()
@@ -507,7 +688,7 @@ class Validator:
             deadline = time.monotonic() + STEP_TIMEOUT_S
             for r in batch:
                 try:
-                    res.devices[r] = self.workers[r].read(deadline)
+                    res.devices[r] = self.workers[r].read(deadline, ("ms_per_gemm", "gflops"))
                 except WorkerError as e:
                     res.untested.append(f"rank {r} GEMM: {e}")
 
@@ -515,25 +696,47 @@ class Validator:
         for w in self.workers.values():
             w.unplace()
         res.rounds = schedule(self.edges)
-        for i, rnd in enumerate(res.rounds):
-            self.progress(f"p2p round {i + 1}/{len(res.rounds)}: "
+        got = self._p2p_rounds(res.rounds, res, "p2p round")
+        res.links.update(got or {})
+        if got is None:
+            return
+        # Suspect edges are measured again (as suspect devices are): a busy
+        # moment of a shared host rarely hits the same edge twice.
+        suspects = link_suspects({e: d["rtt_ms"] for e, d in res.links.items()})
+        if suspects:
+            again = self._p2p_rounds(schedule(sorted(suspects)), res, "p2p again")
+            for e, d in (again or {}).items():
+                if d["rtt_ms"] < res.links[e]["rtt_ms"]:
+                    res.links[e] = d
+                res.links[e]["passes"] = 2
+
+    def _p2p_rounds(self, rounds, res: Result, what: str) -> dict | None:
+        """{edge: reply}; None when a step failed (the group is then broken:
+        later rounds would only time out)."""
+        out = {}
+        for i, rnd in enumerate(rounds):
+            self.progress(f"{what} {i + 1}/{len(rounds)}: "
                           + ", ".join(f"{a}<->{b}" for a, b in rnd))
             for a, b in rnd:
                 for me, peer in ((a, b), (b, a)):
                     try:
+                        gpu = self.workers[me].m.device.startswith("cuda")
                         self.workers[me].send({"cmd": "p2p", "peer": self.index[peer],
-                                               "bytes": P2P_BYTES, "seconds": P2P_SECONDS})
+                                               "bytes": P2P_BYTES_GPU if gpu else P2P_BYTES,
+                                               "seconds": P2P_SECONDS})
                     except WorkerError as e:
                         res.untested.append(f"link {a}<->{b}: {e}")
             deadline = time.monotonic() + STEP_TIMEOUT_S
             for a, b in rnd:
                 try:
-                    got = self.workers[a].read(deadline)
+                    got = self.workers[a].read(deadline, ("rtt_ms", "gbps", "lat_us"))
                     self.workers[b].read(deadline)
-                    res.links[(a, b)] = got
+                    out[(a, b)] = got
                 except WorkerError as e:
                     res.untested.append(f"link {a}<->{b}: {e}")
-                    return      # the group is broken: later rounds would only time out
+                    res.links.update(out)
+                    return None
+        return out
 
 
 # -- decision ------------------------------------------------------------------------
@@ -548,6 +751,29 @@ def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
     slow = {k: v / ref for k, v in values.items()
             if ref > 0 and v >= ratio * ref and (v - ref) >= z * spread}
     return ref, spread, slow
+
+
+def _rank_links(rtt: dict):
+    """A rank's link bounds each of its edges: its fastest edge is its link.
+    -> (reference, {rank: ratio} of the slow rank links)."""
+    best: dict[int, float] = {}
+    for (a, b), v in rtt.items():
+        for r in (a, b):
+            best[r] = min(best.get(r, v), v)
+    if len(best) < 3:
+        return None, {}
+    ref, _, slow = outliers(best, LINK_SLOW_RATIO)
+    return ref, slow
+
+
+def link_suspects(rtt: dict) -> set:
+    """Edges a link verdict would rest on: every edge of a slow rank link,
+    and every slow edge."""
+    _, ranks = _rank_links(rtt)
+    out = {e for e in rtt if set(e) & set(ranks)}
+    if len(rtt) >= 3:
+        out |= set(outliers(rtt, LINK_SLOW_RATIO)[2])
+    return out
 
 
 def link_name(edge: tuple[int, int]) -> str:
@@ -580,13 +806,7 @@ def decide(res: Result) -> dict:
         causes.append(("computation", ranks, None,
                        "GEMM " + ", ".join(f"rank {r} x{slow_dev[r]:.2f}" for r in ranks)
                        + f" the reference ({ref:.2f} ms)"))
-    # A rank's link bounds each of its edges: its fastest edge is its link.
-    best: dict[int, float] = {}
-    for (a, b), v in rtt.items():
-        for r in (a, b):
-            best[r] = min(best.get(r, v), v)
-    lref, _, slow_rank_link = (outliers(best, LINK_SLOW_RATIO) if len(best) >= 3
-                               else (None, None, {}))
+    lref, slow_rank_link = _rank_links(rtt)
     if lref is not None:
         details["link_reference_ms"] = round(lref, 4)
     if slow_rank_link:
@@ -702,3 +922,93 @@ def render(fields: dict):
     parts.append(Text(f"verdict: {verdict}: {fields['reason']}"))
     parts.append(Text(f"{d['seconds']:.1f} s in all; job paused {d['paused_s']:.2f} s"))
     return Group(*parts)
+
+
+# -- a warm pool for a live job -----------------------------------------------------
+
+class Service:
+    """Validation for `attach`: one background thread that keeps a pool of
+    workers for the job's current ranks (started once, then idle: blocked
+    on a pipe, SCHED_IDLE) and measures on request. Starting workers costs
+    CPU seconds (importing torch); doing it at every slowdown would slow
+    the job down at the worst moment, and add that start to the time to a
+    validated diagnosis. The pool is rebuilt when the ranks change.
+
+    Every call is from the tracer's thread and never blocks it; results and
+    progress come back through `post(kind, doc)`."""
+
+    def __init__(self, post, pause_max_s: float = PAUSE_MAX_S,
+                 pause_windows: list | None = None):
+        import queue
+        import threading
+        self.post = post
+        self.pause_max_s, self.pause_windows = pause_max_s, pause_windows
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.key: tuple | None = None          # the (rank, pid) set the pool is for
+        self.pool: Validator | None = None
+        self.pending = 0                       # measurements asked for, not done
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="greyhound-validate",
+                                       daemon=True)
+        self.thread.start()
+
+    def keep(self, members: list[Member]) -> None:
+        """Have a pool for these ranks (rebuilt if they changed)."""
+        key = tuple(sorted((m.rank, m.pid) for m in members))
+        if key != self.key and len(members) >= 2:
+            self.key = key
+            self.tasks.put(("build", members))
+
+    def request(self, index: int, edges: list[tuple[int, int]]) -> bool:
+        """Measure once the pool is up. False when one is already waiting
+        (it will report on the same slowdown episode)."""
+        if self.pending:
+            return False
+        self.pending += 1
+        self.tasks.put(("measure", (index, edges)))
+        return True
+
+    def close(self) -> None:
+        self.closing = True
+        if self.pool is not None:
+            self.pool.cancel()
+        self.tasks.put(("close", None))
+        self.thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while True:
+            what, arg = self.tasks.get()
+            if what == "close" or self.closing:
+                if self.pool is not None:
+                    self.pool.close()
+                return
+            try:
+                if what == "build":
+                    self._build(arg)
+                elif what == "measure":
+                    self._measure(*arg)
+            except Exception as e:              # never take the tracer down
+                self.post("progress", f"validation failed: {type(e).__name__}: {e}")
+            finally:
+                if what == "measure":
+                    self.pending -= 1
+
+    def _build(self, members: list[Member]) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool = Validator(members, pause_max_s=self.pause_max_s,
+                              pause_windows=self.pause_windows,
+                              progress=lambda msg: self.post("progress", msg))
+        self.untested = self.pool.start()
+        if self.pool.ready:
+            self.post("progress", f"{len(self.pool.ready)} validation workers ready (idle)")
+
+    def _measure(self, index: int, edges: list[tuple[int, int]]) -> None:
+        pool = self.pool
+        if pool is not None and (pool.broken or not pool.alive()) and not self.closing:
+            self._build(pool.members)           # a worker died or a step failed
+            pool = self.pool
+        res = pool.measure(edges) if pool is not None and pool.ready else Result(
+            untested=list(getattr(self, "untested", [])) or ["no validation workers"])
+        if not self.closing:
+            self.post("done", {**decide(res), "index": index})

@@ -29,7 +29,8 @@ import sys
 import time
 from datetime import timedelta
 
-GEMM_N = 512                 # square float32 matmul: 268 MFLOP
+GEMM_N = 512                 # square float32 matmul on a CPU: 268 MFLOP
+GEMM_N_GPU = 4096            # on a GPU: 137 GFLOP, long enough to time
 LATENCY_BYTES = 8
 LATENCY_REPS = 20
 
@@ -56,6 +57,14 @@ def nvml_evidence(index: int) -> dict:
         return {"error": str(e)}
     finally:
         pynvml.nvmlShutdown()
+
+
+def nvml_index(cuda_index: int) -> int:
+    """NVML numbers GPUs physically; CUDA after CUDA_VISIBLE_DEVICES."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if cuda_index < len(visible) and visible[cuda_index].strip().isdigit():
+        return int(visible[cuda_index])
+    return cuda_index
 
 
 class Worker:
@@ -97,24 +106,25 @@ class Worker:
 
     def gemm(self, seconds: float) -> dict:
         torch = self.torch
-        a = torch.randn(GEMM_N, GEMM_N, device=self.device)
-        b = torch.randn(GEMM_N, GEMM_N, device=self.device)
+        size = GEMM_N_GPU if self.device.type == "cuda" else GEMM_N
+        a = torch.randn(size, size, device=self.device)
+        b = torch.randn(size, size, device=self.device)
         for _ in range(2):                       # warm-up: allocation, kernel choice
             torch.matmul(a, b)
         self.sync()
-        n, t0 = 0, time.perf_counter()
+        count, t0 = 0, time.perf_counter()
         while True:
             torch.matmul(a, b)
-            n += 1
-            if n % 8 == 0 or self.device.type == "cpu":
+            count += 1
+            if count % 8 == 0 or self.device.type == "cpu":
                 self.sync()
-                el = time.perf_counter() - t0
-                if el >= seconds:
+                elapsed = time.perf_counter() - t0
+                if elapsed >= seconds:
                     break
-        flops = 2 * GEMM_N ** 3 * n
-        out = {"ms_per_gemm": el / n * 1e3, "gflops": flops / el / 1e9, "gemms": n}
+        out = {"ms_per_gemm": elapsed / count * 1e3,
+               "gflops": 2 * size ** 3 * count / elapsed / 1e9, "gemms": count}
         if self.device.type == "cuda":
-            out["nvml"] = nvml_evidence(self.device.index or 0)
+            out["nvml"] = nvml_evidence(nvml_index(self.device.index or 0))
         return out
 
     def _pingpong(self, peer: int, buf, first: bool) -> float:

@@ -99,3 +99,19 @@ def test_pipeline_edge_is_the_link():
     d.observe(slowdown(30))
     out = feed(d, 10, [20] * 4, [10, 30, 10, 30], start=30)
     assert [(v["cause"], v["link"], v["ranks"]) for v in out] == [("communication", "1<->3", [1, 3])]
+
+
+def test_slowdown_during_validation_activity_is_ours():
+    d = PassiveDiagnoser()
+    d.busy.append([29 * 10**8, None])        # validation workers starting since iteration 29
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
+    assert [v["cause"] for v in out] == ["unknown"]
+    assert out[0]["details"]["own_load"] and "load of our own" in out[0]["reason"]
+    d2 = PassiveDiagnoser()
+    d2.busy.append([-20 * 10**9, -10 * 10**9])   # ended long before the onset: not ours
+    feed(d2, 30, [20] * 4, [10] * 4)
+    d2.observe(slowdown(30))
+    out = feed(d2, 10, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
+    assert [v["cause"] for v in out] == ["computation"]

@@ -184,3 +184,55 @@ def test_edges_follow_the_communicator_map():
     assert set(got) == {(0, 1), (1, 2), (2, 3), (3, 0), (2, 0), (1, 3)}
     assert edges_of(None, [2, 0, 1]) == [(0, 1), (1, 2), (2, 0)]
     assert edges_of(topo, [0, 1]) == [(0, 1)]
+
+
+def test_one_validation_measures_at_a_time():
+    from greyhound_bpf.validate import MeasureLock
+    with MeasureLock() as first:
+        assert first
+        other = MeasureLock(timeout_s=0.3)
+        assert other.__enter__() is False
+        other.__exit__()
+    again = MeasureLock(timeout_s=0.3)
+    assert again.__enter__() is True
+    again.__exit__()
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_five_healthy_minutes_with_three_validations(ddp_job, tracer, tmp_path):
+    """A healthy job under attach (which validates after any slowdown it
+    sees) for 5 minutes, with `validate` run 3 times besides: no diagnosis
+    beyond `unknown`, no slow device or link, and the job trains on."""
+    job = ddp_job(4, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
+    t = tracer([job.proc.pid], "-q")
+    t.wait_attached(4)
+    t0 = time.monotonic()
+    runs = []
+    for i in range(3):
+        time.sleep(max(0.0, t0 + 80 * (i + 1) - time.monotonic()))
+        out = tmp_path / f"v{i}.jsonl"
+        r = run_cli("validate", str(job.proc.pid), "--json", str(out), timeout=180)
+        runs.append((r, read_events(out)))
+    time.sleep(max(0.0, t0 + 300 - time.monotonic()))
+    assert job.proc.poll() is None
+    assert t.stop() == 0
+    for r, evs in runs:
+        assert r.returncode == 0, r.stdout + r.stderr
+        (ev,) = evs
+        assert ev["cause"] == "unknown" and ev["link"] is None and ev["ranks"] == []
+        assert ev["details"]["untested"] == [] and len(ev["details"]["links"]) == 4
+        assert ev["details"]["paused_s"] <= 5
+    named = [e for e in t.events("diagnosis") if e["cause"] != "unknown"]
+    assert named == [], named
+    assert workers_left() == []
+
+
+def test_busy_is_announced_while_it_lasts():
+    from greyhound_bpf.validate import Busy, busy_since
+    assert busy_since() is None
+    with Busy("start"):
+        since = busy_since()
+        assert since is not None and abs(since - time.time_ns()) < 5e9
+    assert busy_since() is None
