@@ -15,12 +15,16 @@ after the onset with before it:
   ends of a pipeline (p2p) edge wait longer, that edge is the link;
 - otherwise ``unknown``, with the numbers: never a guess;
 - a slowdown that began while validation workers were starting or measuring
-  on this machine (`busy` windows) is ``unknown`` too: that load is ours, and
-  on a busy host it slows some rank down for real.
+  on this machine (`busy` windows) may be ours: that load slows some rank of
+  a busy host down for real. Its verdict waits until that activity is over
+  and is made from the iterations after it: a slowdown that recovers first
+  was ours and gets none; one that outlasts our activity is the job's.
 
 The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
 over `window` iterations on each side of the onset; a verdict needs
-`min_after` iterations after it on every rank.
+`min_after` iterations after it on every rank and a slowdown that has lasted
+`min_lasted_s` (a blip of a busy host is not a fault), and it is ``unknown``
+when over these windows the job is less than `min_ratio` slower.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# A slowdown is our own when it begins this close to validation activity.
-BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 5_000_000_000
+# A slowdown may be our own when it begins this close to validation activity.
+BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 2_000_000_000
+REL_GROW = 0.25   # and the straggler's compute grew by >= this x its own before
 GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 
@@ -40,8 +45,10 @@ class _Series:
 
 
 class PassiveDiagnoser:
-    def __init__(self, window: int = 16, min_after: int = 10, topology=None):
+    def __init__(self, window: int = 16, min_after: int = 10, topology=None,
+                 min_lasted_s: float = 2.0, min_ratio: float = 1.10):
         self.window, self.min_after = window, min_after
+        self.min_lasted_ns, self.min_ratio = int(min_lasted_s * 1e9), min_ratio
         self.topology = topology           # greyhound_bpf.topology.Topology, optional
         # [start, end) wall-clock ns of validation activity on this machine,
         # end None while it lasts (kept up to date by the session)
@@ -69,16 +76,31 @@ class PassiveDiagnoser:
             self.slowdown, self.onset_ns = None, None
         return []
 
-    def _split(self, s: _Series):
+    def _split(self, s: _Series, from_ns: int):
         before = [r for r in s.rows if r[0] < self.onset_ns][-self.window:]
-        after = [r for r in s.rows if r[0] >= self.onset_ns][:self.window]
+        after = [r for r in s.rows if r[0] >= from_ns][:self.window]
         return before, after
 
+    def _after_busy(self) -> int | None:
+        """Where the `after` iterations may start: the onset, or the end of
+        validation activity around it (plus a margin); None while it lasts."""
+        from_ns = self.onset_ns
+        for b, e in self.busy:
+            if b - BUSY_BEFORE_NS <= self.onset_ns and (e is None or self.onset_ns <= e + BUSY_AFTER_NS):
+                if e is None:
+                    return None
+                from_ns = max(from_ns, e + BUSY_AFTER_NS)
+        return from_ns
+
     def _try(self) -> list[dict]:
+        from_ns = self._after_busy()
+        if from_ns is None:
+            return []
         per = {}
         for rank, s in self.ranks.items():
-            before, after = self._split(s)
-            if len(before) < self.min_after or len(after) < self.min_after:
+            before, after = self._split(s, from_ns)
+            if (len(before) < self.min_after or len(after) < self.min_after
+                    or s.rows[-1][0] < from_ns + self.min_lasted_ns):
                 return []
             med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
             per[rank] = {"compute_before_ms": med(before, 2), "compute_after_ms": med(after, 2),
@@ -95,16 +117,15 @@ class PassiveDiagnoser:
                              for r, p in sorted(per.items())}}
         out = {"evidence": "passive", "index": self.slowdown["index"], "details": details,
                "ranks": [], "communicator": None, "link": None}
-        onset = self.onset_ns
-        if any(s - BUSY_BEFORE_NS <= onset and (e is None or onset <= e + BUSY_AFTER_NS)
-               for s, e in self.busy):
-            details["own_load"] = True
+        if from_ns != self.onset_ns:
+            details["after_validation_from_ns"] = from_ns
+        before_ms = statistics.median(p["iter_before_ms"] for p in per.values())
+        if delta <= 0 or delta < (self.min_ratio - 1) * before_ms:
             return [{**out, "cause": "unknown",
-                     "reason": "began while validation workers were starting or measuring "
-                               "on this machine: load of our own, not the job's"}]
-        if delta <= 0:
-            return [{**out, "cause": "unknown", "reason": "iteration time did not grow"}]
-        grew = [r for r, d in d_comp.items() if d >= GROW * delta]
+                     "reason": f"over these windows the job is only {delta:+.1f} ms per iteration "
+                               f"slower (under {100 * (self.min_ratio - 1):.0f}%)"}]
+        grew = [r for r, d in d_comp.items() if d >= GROW * delta
+                and d >= REL_GROW * per[r]["compute_before_ms"]]
         if len(grew) == 1:
             s = grew[0]
             others = [r for r in per if r != s]

@@ -507,6 +507,7 @@ class Result:
     untested: list[str] = field(default_factory=list)
     paused_s: float = 0.0
     seconds: float = 0.0
+    measured_at_ns: int | None = None   # wall clock when measuring began
 
 
 class Validator:
@@ -568,7 +569,7 @@ class Validator:
     def measure(self, edges: list[tuple[int, int]] | None = None) -> Result:
         """Pause the job, GEMM per device, p2p per edge, resume. Workers
         stay up for the next call unless a step failed (then `broken`)."""
-        res = Result()
+        res = Result(measured_at_ns=time.time_ns())
         t0 = time.monotonic()
         if edges is not None:
             self.edges = edges
@@ -791,6 +792,7 @@ def decide(res: Result) -> dict:
                                  for k, v in d.items()} for e, d in sorted(res.links.items())},
         "rounds": [[link_name(e) for e in rnd] for rnd in res.rounds],
         "untested": res.untested, "paused_s": round(res.paused_s, 3),
+        "measured_at_ns": res.measured_at_ns,
         "seconds": round(res.seconds, 3),
         "thresholds": {"slow_ratio": SLOW_RATIO, "link_slow_ratio": LINK_SLOW_RATIO,
                        "robust_z": ROBUST_Z, "mad_floor": MAD_FLOOR},

@@ -5,6 +5,8 @@ import random
 
 from greyhound_bpf.diagnosis import PassiveDiagnoser
 
+STEP = 3 * 10**8          # ns per iteration: 10 iterations outlast min_lasted_s (2 s)
+
 
 def feed(diag, n, compute, comm, start=0, noise=0.03, seed=0):
     rng = random.Random(seed)
@@ -14,7 +16,7 @@ def feed(diag, n, compute, comm, start=0, noise=0.03, seed=0):
             c = compute[r] * rng.uniform(1 - noise, 1 + noise)
             w = comm[r] * rng.uniform(1 - noise, 1 + noise)
             out += diag.observe({"kind": "iteration", "rank": r, "index": i,
-                                 "start_ns": i * 10**8, "dur_ns": int((c + w) * 1e6),
+                                 "start_ns": i * STEP, "dur_ns": int((c + w) * 1e6),
                                  "compute_ns": int(c * 1e6), "comm_ns": int(w * 1e6)})
     return out
 
@@ -22,7 +24,7 @@ def feed(diag, n, compute, comm, start=0, noise=0.03, seed=0):
 def slowdown(index):
     return {"kind": "slowdown", "scope": "job", "index": index, "detected_index": index + 3,
             "before_ms": 30, "after_ms": 50, "ratio": 1.67, "probability": 1.0,
-            "onset_ns": index * 10**8}
+            "onset_ns": index * STEP}
 
 
 def test_computation_straggler():
@@ -101,17 +103,51 @@ def test_pipeline_edge_is_the_link():
     assert [(v["cause"], v["link"], v["ranks"]) for v in out] == [("communication", "1<->3", [1, 3])]
 
 
-def test_slowdown_during_validation_activity_is_ours():
+def test_slowdown_during_validation_activity_waits_for_it_to_end():
+    # Validation workers busy from iteration 29 to 60: a slowdown that began
+    # meanwhile is judged on the iterations from 60 (+ 2 s), once it is over.
     d = PassiveDiagnoser()
-    d.busy.append([29 * 10**8, None])        # validation workers starting since iteration 29
+    d.busy.append([29 * STEP, None])
     feed(d, 30, [20] * 4, [10] * 4)
     d.observe(slowdown(30))
-    out = feed(d, 10, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
-    assert [v["cause"] for v in out] == ["unknown"]
-    assert out[0]["details"]["own_load"] and "load of our own" in out[0]["reason"]
+    assert feed(d, 30, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []   # still busy
+    d.busy[-1][1] = 60 * STEP
+    out = feed(d, 30, [20, 20, 40, 20], [30, 30, 10, 30], start=60)
+    assert [v["cause"] for v in out] == ["computation"] and out[0]["ranks"] == [2]
+    assert out[0]["details"]["after_validation_from_ns"] == 60 * STEP + 2 * 10**9
+    # One that recovers before our activity ends gets no verdict at all.
     d2 = PassiveDiagnoser()
-    d2.busy.append([-20 * 10**9, -10 * 10**9])   # ended long before the onset: not ours
+    d2.busy.append([29 * STEP, None])
     feed(d2, 30, [20] * 4, [10] * 4)
     d2.observe(slowdown(30))
-    out = feed(d2, 10, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
-    assert [v["cause"] for v in out] == ["computation"]
+    feed(d2, 5, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
+    d2.observe({"kind": "recovery", "scope": "job", "index": 35})
+    d2.busy[-1][1] = 36 * STEP
+    assert feed(d2, 30, [20] * 4, [10] * 4, start=35) == []
+
+
+def test_small_compute_wobble_is_no_straggler():
+    # Rank 2's compute grew by 3 ms of 40 (< 25% of its own) while the
+    # others waited: not a straggler, whatever the slowdown's size.
+    d = PassiveDiagnoser()
+    feed(d, 30, [40] * 4, [4] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [40, 40, 43, 40], [9, 9, 5, 9], start=30)
+    assert [v["cause"] for v in out] == ["unknown"]
+
+
+def test_a_blip_shorter_than_min_lasted_gets_no_verdict():
+    d = PassiveDiagnoser(min_lasted_s=5.0)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    assert feed(d, 15, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []    # 4.5 s
+    d.observe({"kind": "recovery", "scope": "job", "index": 45})
+    assert feed(d, 30, [20] * 4, [10] * 4, start=45) == []
+
+
+def test_a_slowdown_under_min_ratio_over_the_windows_is_unknown():
+    d = PassiveDiagnoser()
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 10, [20, 20, 22, 20], [11, 11, 9, 11], start=30, noise=0.0)
+    assert [v["cause"] for v in out] == ["unknown"] and "under 10%" in out[0]["reason"]

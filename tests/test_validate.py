@@ -236,3 +236,37 @@ def test_busy_is_announced_while_it_lasts():
         since = busy_since()
         assert since is not None and abs(since - time.time_ns()) < 5e9
     assert busy_since() is None
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_pause_watchdog_resumes_the_job_even_if_we_never_do():
+    from greyhound_bpf.validate import Pause
+    job = subprocess.Popen(["sleep", "60"])
+    try:
+        p = Pause([job.pid], max_s=0.5).__enter__()
+        assert _state(job.pid) == "T"                        # stopped
+        # As if this process had been killed: never __exit__ until later.
+        wait_for(lambda: _state(job.pid) != "T", 5, "the watchdog's SIGCONT")
+        p.__exit__()
+        assert p.seconds <= 0.5 and p.watchdog.poll() is not None
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_workers_that_never_answer_time_out_and_are_killed(tmp_path):
+    from greyhound_bpf.validate import Member, Validator
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec sleep 617\n")       # a worker that hangs at start
+    fake.chmod(0o755)
+    t0 = time.monotonic()
+    res = Validator([Member(0), Member(1)], start_timeout_s=2, python=str(fake)).run()
+    assert time.monotonic() - t0 < 10
+    assert res.devices == {} and res.links == {}
+    assert any("no answer in time" in u for u in res.untested), res.untested
+    left = subprocess.run(["pgrep", "-f", "sleep 617"], capture_output=True, text=True).stdout
+    assert left == ""

@@ -61,6 +61,13 @@ class Events:
         return self.all
 
 
+def measured_after(d: dict, onset: int) -> bool:
+    """A validation that began measuring before the fault measured the
+    healthy job (or half of each): it is not this scenario's verdict."""
+    at = d["details"].get("measured_at_ns")
+    return at is not None and at > onset
+
+
 def correct(d: dict | None, kind: str, rank: int) -> bool:
     if not d:
         return False
@@ -112,8 +119,8 @@ def main(argv=None) -> int:
                 try:
                     def validated():
                         return [e for e in ev.read() if e["kind"] == "diagnosis"
-                                and e["time_ns"] > onset and e["evidence"] == "validation"
-                                and e["cause"] != "unknown"]
+                                and e["evidence"] == "validation" and e["cause"] != "unknown"
+                                and measured_after(e, onset)]
                     deadline = time.monotonic() + args.timeout
                     while time.monotonic() < deadline and not validated():
                         time.sleep(0.25)
@@ -122,7 +129,7 @@ def main(argv=None) -> int:
                 lifted = time.time_ns()
                 diags = [e for e in ev.read() if e["kind"] == "diagnosis" and e["time_ns"] > onset]
                 val = next((e for e in diags if e["evidence"] == "validation"
-                            and e["cause"] != "unknown"), None)
+                            and e["cause"] != "unknown" and measured_after(e, onset)), None)
                 pas = next((e for e in diags if e["evidence"] == "passive"
                             and e["cause"] != "unknown"), None)
                 row = {"i": i, "kind": kind, "rank": rank, "validated": val, "passive": pas,
