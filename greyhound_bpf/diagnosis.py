@@ -5,11 +5,11 @@ compares each rank's compute and blocked (communication) time per iteration
 after the onset with before it:
 
 - **computation straggler**: one rank's compute grew by at least half the
-  slowdown while every other rank's blocked time grew by at least half of it
+  slowdown (and by half its own value) while every other rank's blocked time grew by at least half of it
   (they wait for it in the collective; DESIGN.md: with synchronous gloo
   collectives the slow rank waits least);
-- **communication**: blocked time grew by at least half the slowdown on every
-  rank while no rank's compute grew by more than a quarter of it; the
+- **communication**: blocked time grew by at least half the slowdown (and by
+  half its own value) on every rank while no rank's compute grew by more than a quarter of it; the
   communicator named is the smallest one of the communicator map
   (greyhound_bpf.topology) that holds every such rank. When only the two
   ends of a pipeline (p2p) edge wait longer, that edge is the link;
@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 
 # A slowdown may be our own when it begins this close to validation activity.
 BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 2_000_000_000
-REL_GROW = 0.25   # and the straggler's compute grew by >= this x its own before
+# ...and the part that grew did so by >= this x its own value before (the
+# straggler's compute, or every rank's blocked time): a busy host shifts
+# both by 20-40% for seconds at a time; the faults worth naming cost more.
+REL_GROW = 0.5
 GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 
@@ -121,6 +124,7 @@ class PassiveDiagnoser:
             details["after_validation_from_ns"] = from_ns
         before_ms = statistics.median(p["iter_before_ms"] for p in per.values())
         if delta <= 0 or delta < (self.min_ratio - 1) * before_ms:
+            details["below_min_ratio"] = True
             return [{**out, "cause": "unknown",
                      "reason": f"over these windows the job is only {delta:+.1f} ms per iteration "
                                f"slower (under {100 * (self.min_ratio - 1):.0f}%)"}]
@@ -137,7 +141,8 @@ class PassiveDiagnoser:
         waited = sorted(r for r, d in d_comm.items() if d >= GROW * delta)
         flat = all(d < FLAT * delta for d in d_comp.values())
         topo = self.topology.fields() if self.topology is not None else None
-        if flat and waited == sorted(per):
+        if flat and waited == sorted(per) and all(
+                d_comm[r] >= REL_GROW * per[r]["comm_before_ms"] for r in per):
             comm = self.topology.communicator_of(waited) if topo else None
             where = f" of {comm['name']}" if comm else ""
             return [{**out, "cause": "communication", "ranks": waited,

@@ -373,7 +373,8 @@ class AttachSession:
                 self.tell(describe_engine_event("diagnosis", d))
                 # Validation follows the passive verdict: by then the slowdown
                 # has lasted `min_after` iterations, so blips cost no pause.
-                if self.diagnoser.slowdown is not None:
+                if (self.diagnoser.slowdown is not None
+                        and not fields["details"].get("below_min_ratio")):
                     self._start_validation(fields["index"])
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):

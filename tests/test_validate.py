@@ -247,12 +247,12 @@ def test_pause_watchdog_resumes_the_job_even_if_we_never_do():
     from greyhound_bpf.validate import Pause
     job = subprocess.Popen(["sleep", "60"])
     try:
-        p = Pause([job.pid], max_s=0.5).__enter__()
-        assert _state(job.pid) == "T"                        # stopped
+        p = Pause([job.pid], max_s=1.0).__enter__()
+        wait_for(lambda: _state(job.pid) == "T", 0.8, "the job to stop")
         # As if this process had been killed: never __exit__ until later.
         wait_for(lambda: _state(job.pid) != "T", 5, "the watchdog's SIGCONT")
         p.__exit__()
-        assert p.seconds <= 0.5 and p.watchdog.poll() is not None
+        assert p.seconds <= 1.0 and p.watchdog.poll() is not None
     finally:
         job.kill()
         job.wait()
