@@ -85,13 +85,14 @@ class PassiveDiagnoser:
         return before, after
 
     def _after_busy(self) -> int | None:
-        """Where the `after` iterations may start: the onset, or the end of
-        validation activity around it (plus a margin); None while it lasts."""
+        """Where the `after` iterations may start: the onset, or the end (plus
+        a margin) of any validation activity since shortly before it, which
+        may have slowed the job itself; None while some still goes on."""
         from_ns = self.onset_ns
-        for b, e in self.busy:
-            if b - BUSY_BEFORE_NS <= self.onset_ns and (e is None or self.onset_ns <= e + BUSY_AFTER_NS):
-                if e is None:
-                    return None
+        for _b, e in self.busy:
+            if e is None:
+                return None
+            if e + BUSY_AFTER_NS >= self.onset_ns - BUSY_BEFORE_NS:
                 from_ns = max(from_ns, e + BUSY_AFTER_NS)
         return from_ns
 

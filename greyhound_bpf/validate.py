@@ -44,8 +44,10 @@ devices differ by a few percent, and a MAD of 0 would flag noise).
   pre-check), while the link failures of the field (a lane down, a
   renegotiated speed, a rate limit, a congested path) cost 2x or more.
   FALCON's 1.1x for "comm" flags noise on any shared host;
-- otherwise an *edge* is slow when it alone is (a slow path between two
-  hosts, not either host's link);
+- otherwise an *edge* is slow when it alone is >= EDGE_SLOW_RATIO (3x): a
+  slow path between two hosts, not either host's link. One edge is weaker
+  evidence than every edge of a rank: on a busy 2-core host an edge
+  measured twice read 2.0x in a healthy run;
 - no rule fires: ``unknown`` (healthy), with every number in `details`.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ from . import GreyhoundError
 from .discovery import read_environ, read_stat
 
 SLOW_RATIO = 1.5             # devices
-LINK_SLOW_RATIO = 2.0        # links
+LINK_SLOW_RATIO = 2.0        # a rank's link (every edge of the rank)
+EDGE_SLOW_RATIO = 3.0        # one edge alone
 ROBUST_Z = 4.0
 MAD_FLOOR = 0.05
 P2P_BYTES = 4 << 20
@@ -558,8 +561,15 @@ class Validator:
         """Start the workers and join them into one group (while the job
         runs on). Returns what could not be started."""
         res = Result()
-        with Busy("start"):
-            self.ready = self._start(res)
+        # Starting workers loads the host (torch imports): not while another
+        # validation measures, or it would measure our start-up.
+        with MeasureLock(timeout_s=120.0) as free, Busy("start"):
+            if not free:
+                res.untested.append("everything: another validation kept the machine "
+                                    "busy for 120 s")
+                self.ready = []
+            else:
+                self.ready = self._start(res)
         return res.untested
 
     def alive(self) -> bool:
@@ -788,7 +798,7 @@ def link_suspects(rtt: dict) -> set:
     _, ranks = _rank_links(rtt)
     out = {e for e in rtt if set(e) & set(ranks)}
     if len(rtt) >= 3:
-        out |= set(outliers(rtt, LINK_SLOW_RATIO)[2])
+        out |= set(outliers(rtt, EDGE_SLOW_RATIO)[2])
     return out
 
 
@@ -810,6 +820,7 @@ def decide(res: Result) -> dict:
         "measured_at_ns": res.measured_at_ns,
         "seconds": round(res.seconds, 3),
         "thresholds": {"slow_ratio": SLOW_RATIO, "link_slow_ratio": LINK_SLOW_RATIO,
+                       "edge_slow_ratio": EDGE_SLOW_RATIO,
                        "robust_z": ROBUST_Z, "mad_floor": MAD_FLOOR},
     }
     out = {"evidence": "validation", "details": details, "ranks": [], "link": None,
@@ -834,7 +845,7 @@ def decide(res: Result) -> dict:
                        + ", x".join(f"{slow_rank_link[r]:.2f}" for r in ranks)
                        + f" the reference {lref:.2f} ms round trip): its own link"))
     elif len(rtt) >= 3:
-        _, _, slow_edges = outliers(rtt, LINK_SLOW_RATIO)
+        _, _, slow_edges = outliers(rtt, EDGE_SLOW_RATIO)
         if slow_edges:
             edges = sorted(slow_edges)
             causes.append(("communication", sorted({r for e in edges for r in e}),

@@ -138,7 +138,10 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         interrupted.append(signum)
         raise KeyboardInterrupt
+    # SIGINT too, explicitly: a shell that starts us in the background
+    # without job control leaves SIGINT ignored, and Ctrl-C must still clean up.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         say(f"starting a 4-rank gloo DDP job (logs in {work})")
         job = start_job(work, 4, log)
