@@ -38,6 +38,9 @@ BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 2_000_000_000
 # straggler's compute, or every rank's blocked time): a busy host shifts
 # both by 20-40% for seconds at a time; the faults worth naming cost more.
 REL_GROW = 0.5
+# A named verdict needs the job >= 25% slower over the windows: a healthy
+# busy host moves a rank's few-ms compute by 4 ms (15-20% of an iteration).
+NAME_RATIO = 1.25
 GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 
@@ -129,6 +132,11 @@ class PassiveDiagnoser:
             return [{**out, "cause": "unknown",
                      "reason": f"over these windows the job is only {delta:+.1f} ms per iteration "
                                f"slower (under {100 * (self.min_ratio - 1):.0f}%)"}]
+        if delta < (NAME_RATIO - 1) * before_ms:
+            return [{**out, "cause": "unknown",
+                     "reason": f"{delta:.1f} ms per iteration ({100 * delta / before_ms:.0f}%) is "
+                               f"too small to name from timing alone on a shared host (under "
+                               f"{100 * (NAME_RATIO - 1):.0f}%); validation measures it"}]
         grew = [r for r, d in d_comp.items() if d >= GROW * delta
                 and d >= REL_GROW * per[r]["compute_before_ms"]]
         if len(grew) == 1:
