@@ -62,6 +62,7 @@ class PassiveDiagnoser:
         self.ranks: dict[int, _Series] = {}
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
+        self.until_ns: int | None = None       # the slow level's end, once recovered
         self.done = False
 
     def observe(self, ev: dict) -> list[dict]:
@@ -76,15 +77,28 @@ class PassiveDiagnoser:
                 return self._try()
             return []
         if kind == "slowdown" and ev.get("scope") == "job":
+            if self.slowdown is not None and not self.done:
+                return self._try()      # a further step of an undecided slowdown: same onset
             self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
+            self.until_ns = None
             return self._try()
         if kind == "recovery" and ev.get("scope") == "job":
-            self.slowdown, self.onset_ns = None, None
+            out = []
+            if self.slowdown is not None and not self.done:
+                # Over before a verdict (a blip, or a fix such as a rebalance):
+                # judged on its slow iterations if it lasted long enough.
+                end = ev.get("onset_ns") or ev.get("time_ns")
+                self.until_ns = int(end) if end else max(
+                    (s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
+                out = self._try()
+            self.slowdown, self.onset_ns, self.until_ns = None, None, None
+            return out
         return []
 
     def _split(self, s: _Series, from_ns: int):
         before = [r for r in s.rows if r[0] < self.onset_ns][-self.window:]
-        after = [r for r in s.rows if r[0] >= from_ns][:self.window]
+        after = [r for r in s.rows if r[0] >= from_ns
+                 and (self.until_ns is None or r[0] < self.until_ns)][:self.window]
         return before, after
 
     def _after_busy(self) -> int | None:
@@ -106,8 +120,9 @@ class PassiveDiagnoser:
         per = {}
         for rank, s in self.ranks.items():
             before, after = self._split(s, from_ns)
+            last = s.rows[-1][0] if self.until_ns is None else self.until_ns
             if (len(before) < self.min_after or len(after) < self.min_after
-                    or s.rows[-1][0] < from_ns + self.min_lasted_ns):
+                    or last < from_ns + self.min_lasted_ns):
                 return []
             med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
             per[rank] = {"compute_before_ms": med(before, 2), "compute_after_ms": med(after, 2),

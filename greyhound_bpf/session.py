@@ -373,7 +373,9 @@ class AttachSession:
                 self.tell(describe_engine_event("diagnosis", d))
                 # Validation follows the passive verdict: by then the slowdown
                 # has lasted `min_after` iterations, so blips cost no pause.
-                if (self.diagnoser.slowdown is not None
+                # A named cause is validated even when the job has recovered
+                # meanwhile: a rebalance hides a slow rank, it does not fix it.
+                if ((self.diagnoser.slowdown is not None or fields["cause"] != "unknown")
                         and not fields["details"].get("below_min_ratio")):
                     self._start_validation(fields["index"])
             self._mitigate(ev)

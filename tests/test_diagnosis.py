@@ -161,3 +161,15 @@ def test_a_small_slowdown_is_not_named_from_timing_alone():
     d.observe(slowdown(30))
     out = feed(d, 10, [5, 5, 5, 9], [24, 24, 24, 20], start=30, noise=0.0)
     assert [v["cause"] for v in out] == ["unknown"] and "too small to name" in out[0]["reason"]
+
+
+def test_a_slowdown_fixed_before_its_verdict_is_still_judged():
+    # A rebalance ends the job's slowdown after 4.5 s, before the verdict:
+    # it lasted long enough, so its slow iterations are judged.
+    d = PassiveDiagnoser(min_lasted_s=4.0, min_after=10)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    d.observe({**slowdown(33), "onset_ns": 33 * STEP})     # a further step: same onset
+    assert feed(d, 12, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []
+    out = d.observe({"kind": "recovery", "scope": "job", "index": 45, "onset_ns": 45 * STEP})
+    assert [(v["cause"], v["ranks"], v["index"]) for v in out] == [("computation", [2], 30)]
