@@ -52,7 +52,7 @@ class _Series:
 
 class PassiveDiagnoser:
     def __init__(self, window: int = 16, min_after: int = 10, topology=None,
-                 min_lasted_s: float = 2.0, min_ratio: float = 1.10):
+                 min_lasted_s: float = 1.0, min_ratio: float = 1.10):
         self.window, self.min_after = window, min_after
         self.min_lasted_ns, self.min_ratio = int(min_lasted_s * 1e9), min_ratio
         self.topology = topology           # greyhound_bpf.topology.Topology, optional
@@ -77,11 +77,24 @@ class PassiveDiagnoser:
                 return self._try()
             return []
         if kind == "slowdown" and ev.get("scope") == "job":
-            if self.slowdown is not None and not self.done:
+            if self.slowdown is not None and not self.done and self.until_ns is None:
                 return self._try()      # a further step of an undecided slowdown: same onset
             self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
             self.until_ns = None
             return self._try()
+        if kind == "applied" and self.slowdown is not None and not self.done:
+            # A plan changes each rank's work: later iterations no longer
+            # compare with the ones before the onset. Judge what came before.
+            self.until_ns = int(ev["time_ns"])
+            out = self._try()
+            if not out:
+                self.done = True
+                out = [{"evidence": "passive", "index": self.slowdown["index"], "ranks": [],
+                        "communicator": None, "link": None, "cause": "unknown",
+                        "details": {"plan_seq": ev.get("seq")},
+                        "reason": "a mitigation plan changed the ranks' work before the "
+                                  "evidence was enough; validation measures it"}]
+            return out
         if kind == "recovery" and ev.get("scope") == "job":
             out = []
             if self.slowdown is not None and not self.done:

@@ -368,16 +368,7 @@ class AttachSession:
             ev = self.emit(kind, t_ns, **fields)
             if kind != "iteration":
                 self.tell(describe_engine_event(kind, fields))
-            for fields in self.diagnoser.observe(ev):
-                d = self.emit("diagnosis", t_ns, **fields)
-                self.tell(describe_engine_event("diagnosis", d))
-                # Validation follows the passive verdict: by then the slowdown
-                # has lasted `min_after` iterations, so blips cost no pause.
-                # A named cause is validated even when the job has recovered
-                # meanwhile: a rebalance hides a slow rank, it does not fix it.
-                if ((self.diagnoser.slowdown is not None or fields["cause"] != "unknown")
-                        and not fields["details"].get("below_min_ratio")):
-                    self._start_validation(fields["index"])
+            self._diagnose(ev, t_ns)
             self._mitigate(ev)
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
@@ -392,6 +383,18 @@ class AttachSession:
                       **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
 
     # -- validation ----------------------------------------------------------
+
+    def _diagnose(self, ev: dict, t_ns: int | None = None) -> None:
+        for fields in self.diagnoser.observe(ev):
+            d = self.emit("diagnosis", t_ns, **fields)
+            self.tell(describe_engine_event("diagnosis", d))
+            # Validation follows the passive verdict: by then the slowdown
+            # has lasted `min_after` iterations, so blips cost no pause.
+            # A named cause is validated even when the job has recovered
+            # meanwhile: a rebalance hides a slow rank, it does not fix it.
+            if ((self.diagnoser.slowdown is not None or fields["cause"] != "unknown")
+                    and not fields["details"].get("below_min_ratio")):
+                self._start_validation(fields["index"])
 
     def _members(self):
         from . import validate
@@ -558,6 +561,7 @@ class AttachSession:
             after_ms = (time.monotonic() - p["issued"]) * 1e3
             ev = self.emit("applied", seq=p["seq"], ranks=done, after_ms=round(after_ms, 1))
             self.tell(describe_engine_event("applied", ev))
+            self._diagnose(ev)
             if p["strategy"] == "rebalance_microbatches":
                 self.outcome_due = p
 

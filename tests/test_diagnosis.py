@@ -173,3 +173,13 @@ def test_a_slowdown_fixed_before_its_verdict_is_still_judged():
     assert feed(d, 12, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []
     out = d.observe({"kind": "recovery", "scope": "job", "index": 45, "onset_ns": 45 * STEP})
     assert [(v["cause"], v["ranks"], v["index"]) for v in out] == [("computation", [2], 30)]
+
+
+def test_a_plan_applied_before_the_verdict_caps_the_evidence():
+    d = PassiveDiagnoser(min_lasted_s=2.0)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    feed(d, 4, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
+    out = d.observe({"kind": "applied", "seq": 1, "time_ns": 34 * STEP})
+    assert [v["cause"] for v in out] == ["unknown"] and "mitigation plan" in out[0]["reason"]
+    assert feed(d, 20, [20, 25, 25, 25], [20, 15, 15, 15], start=34) == []    # decided
