@@ -38,7 +38,9 @@ def test_slowdown_detected_after_injection_and_recovery_after_lifting(ddp_job, t
     # healthy phase is not slowed by whatever else runs (the tracer itself).
     job = ddp_job(2, 0, "--idle-ms", "10", go=False)
     wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
-    t = tracer([job.proc.pid], "-q")
+    # Detection only: validation's worker start-up (torch imports) would be
+    # one more transient on this 2-core VM (tests/test_validate covers it).
+    t = tracer([job.proc.pid], "-q", "--no-validate")
     ranks = t.wait_attached(2)
     rank1 = next(r["pid"] for r in ranks if r["rank"] == 1)
     # Healthy phase: the engine locks the pattern and learns the noise.
