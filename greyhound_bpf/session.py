@@ -416,15 +416,19 @@ class AttachSession:
             w[-1][1] = time.time_ns()
         del w[:-32]
 
+    def _validation_service(self):
+        if self.validator is None:
+            from .validate import Service
+            self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
+                                     self.opts.pause_max_s, self.pipeline.pauses)
+        return self.validator
+
     def _keep_validation_pool(self) -> None:
         """Once the job has run a while (the detectors have their baseline),
         keep idle validation workers for its current ranks."""
         if not self.opts.validate or len(self.pipeline._job_fed) < POOL_AFTER_ITERATIONS:
             return
-        if self.validator is None:
-            from .validate import Service
-            self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
-                                     self.opts.pause_max_s, self.pipeline.pauses)
+        self._validation_service()
         self.validator.keep(self._members())
 
     def _start_validation(self, index: int) -> None:
@@ -432,10 +436,7 @@ class AttachSession:
         (greyhound_bpf.validate.Service); the tracer keeps draining."""
         if not self.opts.validate:
             return
-        if self.validator is None:
-            from .validate import Service
-            self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
-                                     self.opts.pause_max_s, self.pipeline.pauses)
+        self._validation_service()
         members = self._members()
         if len(members) < 2:
             return

@@ -67,6 +67,7 @@ from pathlib import Path
 
 from . import GreyhoundError
 from .discovery import read_environ, read_stat
+from .inject import _threads
 
 SLOW_RATIO = 1.5             # devices
 LINK_SLOW_RATIO = 2.0        # a rank's link (every edge of the rank)
@@ -351,13 +352,6 @@ def busy_since() -> int | None:
 
 
 # -- workers ------------------------------------------------------------------------
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
-
 
 class WorkerError(Exception):
     pass
