@@ -68,7 +68,8 @@ class PassiveDiagnoser:
     def observe(self, ev: dict) -> list[dict]:
         """Returns the fields of `diagnosis` events to emit."""
         kind = ev["kind"]
-        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused"):
+        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused") \
+                and not ev.get("settling"):
             rank = int(ev["rank"])
             s = self.ranks.setdefault(rank, _Series())
             s.rows.append((ev["start_ns"], ev["dur_ns"] / 1e6, ev["compute_ns"] / 1e6,

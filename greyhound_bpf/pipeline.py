@@ -31,7 +31,8 @@ class RankState:
 
 class JobPipeline:
     def __init__(self, catalog: Catalog, *, threshold: float = 0.10,
-                 min_probability: float = 0.9, estimator_args: dict | None = None):
+                 min_probability: float = 0.9, estimator_args: dict | None = None,
+                 settle_until_ns: int = 0):
         self.catalog = catalog
         self.threshold = threshold
         self.min_probability = min_probability
@@ -44,6 +45,11 @@ class JobPipeline:
         # (end None while it still is): iterations overlapping them are
         # reported but not fed to the detectors, so a pause is no slowdown.
         self.pauses: list[list] = []
+        # Iterations that start before this (wall-clock ns) are reported but
+        # not fed to the detectors: attaching uprobes and the tracer's own
+        # start-up slow a job on a small host for a moment, and a detector
+        # must not take that for a baseline or a slowdown (live attach only).
+        self.settle_until_ns = settle_until_ns
         n = len(catalog.functions)
         self._comm_slot = np.full(n, -1, dtype=np.int64)
         self._count_slot = np.full(n, -1, dtype=np.int64)
@@ -117,6 +123,11 @@ class JobPipeline:
                 out.append(("iteration", f, item.start_ns + item.dur_ns))
                 continue
             rs.last = item
+            if item.start_ns < self.settle_until_ns:
+                f = item.fields()
+                f["settling"] = True
+                out.append(("iteration", f, item.start_ns + item.dur_ns))
+                continue
             out.append(("iteration", item.fields(), item.start_ns + item.dur_ns))
             rs.fed.append((item.index, item.start_ns))
             cp = rs.detector.update(item.dur_ns / 1e6)

@@ -42,6 +42,9 @@ VIEW_S = 0.25
 # Job iterations before validation workers are started (their start costs
 # CPU; the detectors first learn the job's healthy speed).
 POOL_AFTER_ITERATIONS = 30
+# Seconds after an attach before the detectors take iterations again:
+# attaching uprobes and the tracer's start-up slow the job for a moment.
+SETTLE_S = 2.0
 
 
 @dataclass
@@ -321,6 +324,11 @@ class AttachSession:
             self.stats.add_target(t.pid, t.rank, t.comm)
             self.pipeline.add_rank(t.pid, t.rank)
             attached.append((t, probes))
+        if attached:
+            # Attaching perturbs the job (and the ranks already traced) for a
+            # moment: the detectors start (or go on) after it has passed.
+            self.pipeline.settle_until_ns = max(self.pipeline.settle_until_ns,
+                                                time.time_ns() + int(SETTLE_S * 1e9))
         if attached or first:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
             self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),

@@ -85,3 +85,18 @@ def test_bad_recordings_are_rejected(tmp_path):
     out = subprocess.run([*GREYHOUND, "replay", str(tmp_path / "missing.jsonl")],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "cannot read" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_settling_iterations_are_reported_but_not_detected(events):
+    # As after an attach: the first iterations are marked and kept from the
+    # detectors; the injected slowdown is still found, from a later baseline.
+    its = [e for e in events if e["kind"] == "iteration" and e["rank"] == 0]
+    settle = its[40]["start_ns"]
+    out = replay(f"{FIXTURE}.jsonl", settle_until_ns=settle)
+    marked = [e for e in out if e["kind"] == "iteration" and e.get("settling")]
+    assert marked and all(e["start_ns"] < settle for e in marked)
+    assert len([e for e in out if e["kind"] == "iteration" and e["start_ns"] < settle]) \
+        == len(marked)
+    assert not any(e.get("settling") for e in events)
+    slow = [e for e in out if e["kind"] == "slowdown" and e["scope"] == "job"]
+    assert slow and abs(slow[0]["onset_ns"] - INJECT_NS) < 1e9
