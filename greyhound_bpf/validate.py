@@ -346,6 +346,10 @@ def busy_since() -> int | None:
         except (OSError, ValueError):
             continue
         if read_stat(int(doc.get("pid", 0))) is None:
+            try:
+                f.unlink()          # its writer was killed: nothing is busy
+            except OSError:
+                pass
             continue
         since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
     return since

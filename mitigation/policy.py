@@ -16,9 +16,11 @@ The rule (ski rental: rent until the rent paid equals the price, then buy):
   `restart_estimate_s` until one has been observed.
 - A strategy is taken when the loss it would have avoided reaches its cost,
   and only if it is predicted to help (at least `min_gain` faster). S2 is
-  cheap, so it happens at detection; S3/S4 need the slowdown to persist
-  until its remaining loss (what S2 could not win back) pays for a restart.
-  A transient blip never reaches any cost: that is S1, do nothing.
+  cheap, so it happens once the slowdown has lasted `min_lasted_s` (1 s;
+  a shorter one is a blip of a busy host: S1, do nothing); S3/S4 need the
+  slowdown to persist until its remaining loss (what S2 could not win back)
+  pays for a restart. Iterations near our own validation activity (`busy`)
+  are not the job's speed and are not taken.
 - While a plan is in force the per-rank speeds are re-measured every
   `window` iterations; when the best split differs from the one in force by
   more than `min_gain` (for example the slow rank recovered) a new plan is
@@ -38,6 +40,15 @@ from .pipeline import resplit
 from .rebalance import RebalanceError, even_split, greedy_makespan, solve
 
 RESTART_ESTIMATE_S = 60.0
+# A slowdown is a blip, and gets no plan, until it has lasted this long (as
+# for the passive diagnosis: a busy host slows a rank for a moment).
+MIN_LASTED_S = 1.0
+# Iterations this close to our own validation activity are not the job's
+# speed (as in greyhound_bpf.diagnosis: workers starting or measuring load
+# the host).
+BUSY_MARGIN_NS = 2_000_000_000
+# A slowdown is over when the job is back within this of its healthy speed.
+RECOVERED = 0.15
 
 
 @dataclass
@@ -77,9 +88,11 @@ class _Rank:
 
 class SkiRentalPolicy:
     def __init__(self, *, global_microbatches: int | None = None, world: int | None = None,
-                 window: int = 8, min_gain: float = 0.05, min_slower: float = 0.15,
-                 restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True):
+                 window: int = 8, min_gain: float = 0.05, min_slower: float = 0.25,
+                 restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True,
+                 min_lasted_s: float = MIN_LASTED_S):
         self.window, self.min_gain, self.min_slower = window, min_gain, min_slower
+        self.min_lasted_ns = int(min_lasted_s * 1e9)
         self.global_microbatches, self.world = global_microbatches, world
         self.restart_estimate_s = restart_estimate_s
         self.restart_observed_s: float | None = None
@@ -106,6 +119,11 @@ class SkiRentalPolicy:
         self.applied_ns = 0                            # when the plan in force was applied
         self.unapplied_said = False
         self._now_ns = 0
+        self.onset_ns = 0                          # the slowdown's onset
+        # [start, end) wall-clock ns of validation activity on this machine,
+        # end None while it lasts (the session shares the diagnoser's list):
+        # our own load, not the job's speed.
+        self.busy: list[list] = []
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -142,7 +160,8 @@ class SkiRentalPolicy:
 
     def observe(self, ev: dict) -> list[Decision]:
         kind = ev.get("kind")
-        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused"):
+        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused") \
+                and not ev.get("settling"):
             return self._iteration(ev)
         if kind == "slowdown" and ev.get("scope") == "job":
             if not self.slow:
@@ -150,9 +169,12 @@ class SkiRentalPolicy:
                 self.healthy_ms = float(ev["before_ms"])
                 self.said_none = False
                 self.restart_considered = False
-                # What the slowdown cost before it was detected.
+                self.onset_ns = int(ev["onset_ns"])
+                # What the slowdown cost before it was detected (nothing
+                # counted while our own validation loaded the host).
                 lag = max(0, int(ev["detected_index"]) - int(ev["index"]))
-                self.loss_ms = lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
+                self.loss_ms = 0.0 if self._ours(self.onset_ns, self.onset_ns) else \
+                    lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
                 # Speeds from the slow iterations only.
                 for r in self.ranks.values():
                     r.keep_after(int(ev["onset_ns"]))
@@ -160,9 +182,14 @@ class SkiRentalPolicy:
                     return self._decide()
                 self.pending = True
         if kind == "recovery" and ev.get("scope") == "job" and self.planned is None:
-            if self.split is None or self._is_even(self.split):
+            # A faster level is not a recovery until it is back near the
+            # healthy speed: a slowdown can ease from 2x to 1.5x and go on.
+            back = self.healthy_ms is None or \
+                float(ev["after_ms"]) <= self.healthy_ms * (1 + RECOVERED)
+            if back and (self.split is None or self._is_even(self.split)):
                 self.slow = False
                 self.loss_ms = 0.0
+                self.pending = False
         return []
 
     # -- state ------------------------------------------------------------------------
@@ -172,9 +199,16 @@ class SkiRentalPolicy:
             r.dur_ms.clear()
             r.compute_ms.clear()
 
+    def _ours(self, start_ns: int, end_ns: int) -> bool:
+        """Whether [start, end] is near our own validation activity."""
+        return any(start_ns < (e if e is not None else float("inf")) + BUSY_MARGIN_NS
+                   and end_ns > b - BUSY_MARGIN_NS for b, e in self.busy)
+
     def _iteration(self, ev: dict) -> list[Decision]:
         if ev["start_ns"] < self.applied_ns:
             return []
+        if self.busy and self._ours(ev["start_ns"], ev["start_ns"] + ev["dur_ns"]):
+            return []         # our validation loads the host: not the job's speed
         rank = int(ev["rank"])
         keep = 4 * self.window
         r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),
@@ -289,11 +323,13 @@ class SkiRentalPolicy:
 
     def _significantly_slow(self, samples: dict[int, list[float]]) -> int | None:
         """The rank that is slower at compute beyond noise: its median time
-        per micro-batch is `min_slower` (15%) over the other ranks' pooled
+        per micro-batch is `min_slower` (25%) over the other ranks' pooled
         median, and at least 80% of its samples lie above that median.
-        Per-iteration samples vary by 10-30% on a busy node, and ranks differ
-        by a few percent for good (rank 0 often does a little more): neither
-        is a fail-slow worth a plan."""
+        Per-iteration samples vary by 10-30% on a busy node, ranks differ
+        by a few percent for good (rank 0 often does a little more), and on
+        a shared 2-core host one rank runs 15-20% slower for seconds at a
+        time (the diagnosis names nothing under 25% either): none is a
+        fail-slow worth a plan."""
         med = {k: statistics.median(v) for k, v in samples.items()}
         worst = max(med, key=med.get)
         others = [x for k, v in samples.items() if k != worst for x in v]
@@ -336,6 +372,11 @@ class SkiRentalPolicy:
             self._why_not_rebalance = ("confirming: " + ("no rank is slower at compute"
                                        if slowest is None else f"dp rank {slowest} looks slow"))
             return None
+        if not self.slow and self._is_even(split):
+            # No slowdown in progress: nothing to win back, whatever one
+            # window of samples says (the ski-rental loss is zero).
+            self._why_not_rebalance = "no slowdown in progress"
+            return None
         if slowest is None:
             if not self._is_even(split):
                 # The rank that was slow is not any more: back to even.
@@ -366,6 +407,13 @@ class SkiRentalPolicy:
         job_ms = self.job_ms() or now_pred
         iteration_ms = self.healthy_ms or job_ms
         cost_ms = iteration_ms + solve_ms
+        lasted_ns = self._now_ns - self.onset_ns
+        if self.slow and lasted_ns < self.min_lasted_ns:
+            self.pending = True        # a blip so far: look again
+            self._next_look = 1
+            self._why_not_rebalance = (f"the slowdown has lasted {lasted_ns / 1e9:.1f} s, under "
+                                       f"{self.min_lasted_ns / 1e9:.1f} s: a blip so far")
+            return None
         if self.slow and self.loss_ms < cost_ms:
             self.pending = True        # the loss grows each iteration: look again
             self._next_look = 1

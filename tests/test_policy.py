@@ -7,6 +7,9 @@ from mitigation.policy import SkiRentalPolicy
 from mitigation.rebalance import even_split
 
 OVERHEAD_MS = 2.0
+# The simulated iterations last 10-20 ms: a slowdown is a blip until it has
+# lasted 50 ms here (MIN_LASTED_S, 1 s, with a real job's iterations).
+BLIP_S = 0.05
 
 
 class Job:
@@ -57,7 +60,7 @@ def slowdown(job, before, after, index, detected):
 
 def test_rebalance_at_detection_then_back_to_even():
     job = Job([1.0] * 4)
-    pol = SkiRentalPolicy()
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
     pol.acks(acks(job))
     assert run(pol, job, 20) == []                      # healthy: nothing
     job.t[2] = 2.0                                      # rank 2 twice as slow
@@ -90,7 +93,7 @@ def test_rebalance_at_detection_then_back_to_even():
 
 def test_communication_slowdown_is_not_rebalanced():
     job = Job([1.0] * 4)
-    pol = SkiRentalPolicy()
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
     pol.acks(acks(job))
     run(pol, job, 12)
     d = pol.observe(slowdown(job, 10.0, 15.0, 8, 11)) + run(pol, job, 8)
@@ -101,12 +104,12 @@ def test_communication_slowdown_is_not_rebalanced():
 
 def test_unknown_global_batch_says_so():
     job = Job([1.0, 1.0, 2.0, 1.0])
-    pol = SkiRentalPolicy()                             # no acks, no --microbatches
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)         # no acks, no --microbatches
     run(pol, job, 10)
     d = pol.observe(slowdown(job, 10.0, 18.0, 5, 8)) + run(pol, job, 8)
     assert d[0].strategy == "none" and "micro-batch count is unknown" in d[0].reason
     # Given the count on the command line, it can advise.
-    pol = SkiRentalPolicy(global_microbatches=32, world=4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, global_microbatches=32, world=4)
     run(pol, job, 10)
     d = pol.observe(slowdown(job, 10.0, 18.0, 5, 8)) + run(pol, job, 8)
     d = [x for x in d if x.strategy != "none"]
@@ -117,7 +120,7 @@ def test_unknown_global_batch_says_so():
 
 def test_blip_shorter_than_cost_does_nothing():
     job = Job([1.0] * 4)
-    pol = SkiRentalPolicy(restart_estimate_s=60)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, restart_estimate_s=60)
     pol.acks(acks(job, checkpoint=True))
     run(pol, job, 12)
     job.t[2] = 1.3                                      # a short blip on rank 2
@@ -133,7 +136,7 @@ def test_restart_only_when_loss_pays_for_it():
     # Rank 3 is 30x slow: even one micro-batch there is far from healthy, and
     # restarting without it beats any split. S4 waits for 2 s of loss.
     job = Job([1.0, 1.0, 1.0, 30.0])
-    pol = SkiRentalPolicy(restart_estimate_s=2.0)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, restart_estimate_s=2.0)
     pol.acks(acks(job, checkpoint=True))
     run(pol, job, 12)
     d = pol.observe(slowdown(job, 10.0, 242.0, 8, 12)) + run(pol, job, 8)
@@ -154,7 +157,7 @@ def test_restart_only_when_loss_pays_for_it():
 
 def test_pipeline_resplit_when_trainer_is_pipelined():
     # 4 stages of one pipeline, 8 layers each; stage 1 is 2x slow.
-    pol = SkiRentalPolicy(restart_estimate_s=0.5)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, restart_estimate_s=0.5)
     announced = {r: {"rank": r, "dp_rank": 0, "seq": 0, "stage": r, "checkpoint": True,
                      "layer_split": [8, 8, 8, 8]} for r in range(4)}
     pol.acks(announced)
@@ -181,7 +184,7 @@ def test_noise_alone_never_rebalances():
     # none in the 500 iterations after it either.
     import random
     rng = random.Random(1)
-    pol = SkiRentalPolicy()
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
     split = dict(enumerate(even_split(32, 4)))
     pol.acks({r: {"rank": r, "dp_rank": r, "seq": 0, "microbatches": n} for r, n in split.items()})
     out = []
@@ -196,3 +199,65 @@ def test_noise_alone_never_rebalances():
                                 "dur_ns": 10**7, "compute_ns": int(c * 1e6),
                                 "comm_ns": int((10 - c) * 1e6)})
     assert [d.strategy for d in out] == ["none"]
+
+
+def test_an_easing_slowdown_is_not_a_recovery_and_no_slowdown_means_no_plan():
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(acks(job))
+    job.t[1] = 3.0                                      # slow from the start, never reported
+    assert [d for d in run(pol, job, 40) if d.strategy != "none"] == []
+    pol.observe(slowdown(job, 10.0, 26.0, 38, 40))      # now it is: 2.6x
+    # The detector sees a faster level (2.6x -> 2x): still 2x the healthy
+    # speed, so the policy stays on the slowdown and its loss keeps growing.
+    pol.observe({**slowdown(job, 26.0, 20.0, 40, 41), "kind": "recovery"})
+    assert pol.slow and pol.loss_ms > 0
+    d = [x for x in run(pol, job, 16) if x.strategy == "rebalance_microbatches"]
+    assert len(d) == 1 and d[0].plan["microbatches"][1] < 8
+    assert d[0].numbers["loss_ms"] >= d[0].numbers["cost_ms"]
+    # A real recovery, back to the healthy speed, ends it.
+    pol2 = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol2.acks(acks(job))
+    pol2.observe(slowdown(job, 10.0, 26.0, 38, 40))
+    pol2.observe({**slowdown(job, 26.0, 10.5, 40, 41), "kind": "recovery"})
+    assert not pol2.slow and not pol2.pending
+    assert [x for x in run(pol2, job, 40) if x.strategy == "rebalance_microbatches"] == []
+
+
+def test_a_slowdown_under_a_second_is_a_blip():
+    # Rank 2 twice as slow for 0.5 s (~28 iterations of 18 ms), then back:
+    # the loss passes a rebalance's cost within a few iterations, but a
+    # slowdown that has not lasted 1 s gets no plan (a busy host's moment).
+    for lasts, planned in ((28, False), (120, True)):
+        job = Job([1.0] * 4)
+        pol = SkiRentalPolicy()                          # MIN_LASTED_S: 1 s
+        pol.acks(acks(job))
+        run(pol, job, 20)
+        job.t[2] = 2.0
+        d = run(pol, job, 3) + pol.observe(slowdown(job, 10.0, 18.0, 20, 23))
+        d += run(pol, job, lasts - 3)
+        job.t[2] = 1.0
+        d += pol.observe({**slowdown(job, 18.0, 10.0, 20 + lasts, 22 + lasts),
+                          "kind": "recovery"}) + run(pol, job, 40)
+        plans = [x for x in d if x.strategy == "rebalance_microbatches"]
+        assert bool(plans) == planned, [x.reason for x in d]
+        if planned:
+            assert plans[0].plan["microbatches"][2] < 8
+
+
+def test_iterations_during_our_validation_are_not_the_jobs_speed():
+    # Our validation workers load the host while rank 2 looks 2x slow: the
+    # policy takes none of those iterations (nor the 2 s after) and plans
+    # nothing; once the load is gone and rank 2 is fine, nothing either.
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(acks(job))
+    run(pol, job, 20)
+    pol.busy.append([job.now, None])
+    job.t[2] = 2.0
+    d = run(pol, job, 3) + pol.observe(slowdown(job, 10.0, 18.0, 20, 23)) + run(pol, job, 60)
+    assert pol.loss_ms == 0 and not [x for x in d if x.strategy != "none"]
+    pol.busy[-1][1] = job.now
+    job.t[2] = 1.0
+    d = run(pol, job, 300)
+    assert not [x for x in d if x.strategy != "none"], [x.reason for x in d]
