@@ -145,6 +145,26 @@ class Tracer:
             self._events += [json.loads(line) for line in chunk[:done].splitlines() if line]
         return [e for e in self._events if kind is None or e["kind"] == kind]
 
+    def measured(self, rank: int) -> list[dict]:
+        """The rank's iterations that the detectors took: after the settling
+        time that follows an attach, and not paused by validation."""
+        return [e for e in self.events("iteration") if e["rank"] == rank
+                and not e.get("settling") and not e.get("paused")]
+
+    def healthy_baseline(self, n: int, timeout: float = 120) -> None:
+        """Wait for the detectors' baseline: `n` measured iterations of rank 0,
+        and no job-level slowdown in progress (a 2-core VM has transients of
+        its own: validation workers starting, another test's processes
+        exiting). Inject only after this."""
+        wait_for(lambda: len(self.measured(0)) >= n, timeout, f"{n} healthy iterations",
+                 interval=0.5)
+
+        def settled():
+            changes = [e for e in self.events() if e["kind"] in ("slowdown", "recovery")
+                       and e["scope"] == "job"]
+            return not changes or changes[-1]["kind"] == "recovery"
+        wait_for(settled, 60, "no job slowdown in progress", interval=0.5)
+
     def attached_ranks(self) -> list[dict]:
         return [r for e in self.events("attach") for r in e["ranks"]]
 

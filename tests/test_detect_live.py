@@ -44,7 +44,7 @@ def test_slowdown_detected_after_injection_and_recovery_after_lifting(ddp_job, t
     ranks = t.wait_attached(2)
     rank1 = next(r["pid"] for r in ranks if r["rank"] == 1)
     # Healthy phase: the engine locks the pattern and learns the noise.
-    wait_for(lambda: len(iterations(t, 0)) >= 60, 120, "60 healthy iterations", interval=0.5)
+    wait_for(lambda: len(t.measured(0)) >= 60, 120, "60 healthy iterations", interval=0.5)
     # This 2-core VM has real transients (another test's processes exiting,
     # uprobe teardown): a slowdown in the healthy phase must have ended with
     # a recovery before we inject, or we wait for one.

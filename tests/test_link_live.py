@@ -25,26 +25,23 @@ def test_link_slowdown_is_communication(tracer, tmp_path):
         wait_for(lambda: len(read_events(truth)) >= 40, 120, "the job to train")
         t = tracer(pids, "-q")
         t.wait_attached(4)
-        wait_for(lambda: len([e for e in t.events("iteration") if e["rank"] == 0]) >= 150,
-                 120, "150 healthy iterations", interval=0.5)
+        t.healthy_baseline(150)
         start = time.time_ns()
         inj = subprocess.Popen([*GREYHOUND, "inject", "link", "--dev", bed.host_dev(1),
                                 "--rate", "400mbit", "--for", "40"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        diag = wait_for(lambda: [e for e in t.events("diagnosis")
-                                 if e["time_ns"] > start and e["cause"] != "unknown"], 60,
-                        "a diagnosis of the link slowdown", interval=0.5)[0]
-        val = wait_for(lambda: [e for e in t.events("diagnosis") if e["time_ns"] > start
-                                and e["evidence"] == "validation"
-                                and e["cause"] != "unknown"], 60,
-                       "a validated diagnosis", interval=0.5)[0]
+        named = lambda ev: [e for e in t.events("diagnosis") if e["time_ns"] > start  # noqa: E731
+                            and e["evidence"] == ev and e["cause"] != "unknown"]
+        diag = wait_for(lambda: named("passive"), 60, "a passive diagnosis", interval=0.5)[0]
+        val = wait_for(lambda: named("validation"), 60, "a validated diagnosis",
+                       interval=0.5)[0]
         out, _ = inj.communicate(timeout=60)
         assert inj.returncode == 0 and "undone" in out
         wait_for(lambda: [e for e in t.events("recovery") if e["scope"] == "job"
                           and e["time_ns"] > start], 90, "a recovery after the lift",
                  interval=0.5)
         assert t.stop() == 0
-        assert diag["cause"] == "communication" and diag["evidence"] == "passive"
+        assert diag["cause"] == "communication", t.events("diagnosis")
         assert (val["cause"], val["link"], val["ranks"]) == ("communication", "rank 1", [1])
         assert val["details"]["paused_s"] <= 5
         assert not [e for e in t.events("diagnosis") if e["cause"] == "computation"]

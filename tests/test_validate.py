@@ -225,7 +225,8 @@ def test_five_healthy_minutes_with_three_validations(ddp_job, tracer, tmp_path):
         assert ev["details"]["untested"] == [] and len(ev["details"]["links"]) == 4
         assert ev["details"]["paused_s"] <= 5
     named = [e for e in t.events("diagnosis") if e["cause"] != "unknown"]
-    assert named == [], named
+    assert named == [], "\n".join(f"{e['evidence']} {e['cause']} {e['ranks']} {e.get('link')}: "
+                                   f"{e['reason']} {e['details']}" for e in named)
     assert workers_left() == []
 
 
