@@ -280,11 +280,22 @@ class SlowdownDetector:
         prob = self._bocd.probability_run_at_most(r + max(5, r))
         if prob < self.min_probability:
             return None
+        need = max(self.min_segment, self.warmup)
         old_lo = max(self._accepted_start, start - self.history, self._base)
-        if start - old_lo < max(self.min_segment, self.warmup):
-            return None     # too little of the old level to compare against
-        old = self._logs[old_lo - self._base:start - self._base]
         new = self._logs[start - self._base:t + 1 - self._base]
+        brief = None
+        if start - old_lo < need:
+            # The level accepted last lasted only a few iterations before this
+            # change: too little to compare against, and the MAP start stays
+            # here, so waiting would never report it. Compare with the window
+            # before it, if the new level also differs from the brief one by
+            # twice the threshold and half the shift, in the same direction
+            # (a boundary that only moved within one level is no new change).
+            brief = self._logs[old_lo - self._base:start - self._base]
+            old_lo = max(start - self.history, self._base)
+            if start - old_lo < need or brief.size < self.min_segment:
+                return None     # too little of the old level to compare against
+        old = self._logs[old_lo - self._base:start - self._base]
         # Noise floor: the recent first differences (robust to level
         # shifts); 50 samples of the old level can underestimate the noise by
         # a third, and z would then be inflated. Refreshed every 25
@@ -297,6 +308,10 @@ class SlowdownDetector:
                                                    math.log1p(self.threshold))
         if code == 0:
             return None
+        if brief is not None:
+            step = float(np.median(new)) - float(np.median(brief))
+            if step * code < max(2 * math.log1p(self.threshold), 0.5 * abs(m_new - m_old)):
+                return None
         kind = "slowdown" if code > 0 else "recovery"
         self._accepted_start = start
         self.state = "slow" if kind == "slowdown" else "ok"

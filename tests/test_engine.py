@@ -222,3 +222,16 @@ def test_estimator_rejects_bad_input():
     with pytest.raises(ValueError):
         IterationEstimator(window=100, max_period=500)
     assert math.isfinite(0.0)
+
+
+def test_a_change_right_after_a_brief_level_is_still_reported():
+    # A recovery, then a 3x slowdown a few iterations into the recovered
+    # level: too little of that level to compare against, and BOCD's
+    # segment start stays at the slowdown. It is reported all the same,
+    # compared with the window before, and promptly.
+    for seed in range(5):
+        x, _ = iteration_series(600, changes=((200, 1.3), (300, 1.0), (306, 3.0)), cv=0.05,
+                                seed=seed)
+        ev = detect(x)
+        slow = [(i, at) for k, i, at in ev if k == "slowdown" and i > 300]
+        assert slow and abs(slow[0][0] - 306) <= 3 and slow[0][1] - 306 <= 10, (seed, ev)
