@@ -168,7 +168,6 @@ class AttachSession:
         self.diagnoser = PassiveDiagnoser(topology=self.topology)
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
                                       restart_estimate_s=opts.restart_estimate_s)
-        self.policy.busy = self.diagnoser.busy     # our validation's load: not the job's
         self.metrics = None
         self.live = None                           # rich.live.Live while the TUI runs
         self.tui_state = None

@@ -19,8 +19,7 @@ The rule (ski rental: rent until the rent paid equals the price, then buy):
   cheap, so it happens once the slowdown has lasted `min_lasted_s` (1 s;
   a shorter one is a blip of a busy host: S1, do nothing); S3/S4 need the
   slowdown to persist until its remaining loss (what S2 could not win back)
-  pays for a restart. Iterations near our own validation activity (`busy`)
-  are not the job's speed and are not taken.
+  pays for a restart.
 - While a plan is in force the per-rank speeds are re-measured every
   `window` iterations; when the best split differs from the one in force by
   more than `min_gain` (for example the slow rank recovered) a new plan is
@@ -43,10 +42,6 @@ RESTART_ESTIMATE_S = 60.0
 # A slowdown is a blip, and gets no plan, until it has lasted this long (as
 # for the passive diagnosis: a busy host slows a rank for a moment).
 MIN_LASTED_S = 1.0
-# Iterations this close to our own validation activity are not the job's
-# speed (as in greyhound_bpf.diagnosis: workers starting or measuring load
-# the host).
-BUSY_MARGIN_NS = 2_000_000_000
 # A slowdown is over when the job is back within this of its healthy speed.
 RECOVERED = 0.15
 
@@ -120,10 +115,6 @@ class SkiRentalPolicy:
         self.unapplied_said = False
         self._now_ns = 0
         self.onset_ns = 0                          # the slowdown's onset
-        # [start, end) wall-clock ns of validation activity on this machine,
-        # end None while it lasts (the session shares the diagnoser's list):
-        # our own load, not the job's speed.
-        self.busy: list[list] = []
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -170,11 +161,12 @@ class SkiRentalPolicy:
                 self.said_none = False
                 self.restart_considered = False
                 self.onset_ns = int(ev["onset_ns"])
-                # What the slowdown cost before it was detected (nothing
-                # counted while our own validation loaded the host).
+                # Job times from before the detection would read as a
+                # recovery at the next iteration: start over.
+                self.job_history.clear()
+                # What the slowdown cost before it was detected.
                 lag = max(0, int(ev["detected_index"]) - int(ev["index"]))
-                self.loss_ms = 0.0 if self._ours(self.onset_ns, self.onset_ns) else \
-                    lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
+                self.loss_ms = lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
                 # Speeds from the slow iterations only.
                 for r in self.ranks.values():
                     r.keep_after(int(ev["onset_ns"]))
@@ -199,16 +191,9 @@ class SkiRentalPolicy:
             r.dur_ms.clear()
             r.compute_ms.clear()
 
-    def _ours(self, start_ns: int, end_ns: int) -> bool:
-        """Whether [start, end] is near our own validation activity."""
-        return any(start_ns < (e if e is not None else float("inf")) + BUSY_MARGIN_NS
-                   and end_ns > b - BUSY_MARGIN_NS for b, e in self.busy)
-
     def _iteration(self, ev: dict) -> list[Decision]:
         if ev["start_ns"] < self.applied_ns:
             return []
-        if self.busy and self._ours(ev["start_ns"], ev["start_ns"] + ev["dur_ns"]):
-            return []         # our validation loads the host: not the job's speed
         rank = int(ev["rank"])
         keep = 4 * self.window
         r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),
