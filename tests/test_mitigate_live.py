@@ -38,17 +38,23 @@ def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
     t.healthy_baseline(60)
     with CpuQuota(rank1, 0.3):
         inject_ns = time.time_ns()
-        # The first plan made once the slowdown has lasted 1 s (the policy's
-        # blip rule) works around rank 1; a shared 2-core host may have had
-        # its own episode, with its own plan, just before.
-        plan = wait_for(lambda: [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9], 120,
-                        "a plan", interval=0.5)[0]
-        counts = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
-        assert counts[1] < counts[0] and sum(counts.values()) == 16, story(t)
+        # Plans made once the slowdown has lasted 1 s (the policy's blip
+        # rule) never favour rank 1, and one that works around it is applied.
+        # A shared 2-core host may have had its own episode, with its own
+        # plan, just before: the first plan may take that back to even.
+        def around_rank1():
+            late = [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9]
+            for p in late:
+                c = {int(k): v for k, v in p["plan"]["microbatches"].items()}
+                assert c[1] <= c[0] and sum(c.values()) == 16, story(t)
+            return [p for p in late if p["plan"]["microbatches"]["1"] < p["plan"]["microbatches"]["0"]]
+        plan = wait_for(around_rank1, 120, "a plan around rank 1", interval=0.5)[0]
         applied = wait_for(lambda: [e for e in t.events("applied") if e["seq"] == plan["seq"]],
                            60, "the plan applied", interval=0.5)[0]
         assert plan["mode"] == "mitigate" and plan["expected_ms"] > 0
-        assert plan["loss_ms"] >= plan["cost_ms"]             # the ski-rental rule held
+        earlier = [p for p in plans(t) if p["seq"] < plan["seq"]]
+        if not earlier or set(earlier[-1]["plan"]["microbatches"].values()) == {8}:
+            assert plan["loss_ms"] >= plan["cost_ms"]         # the ski-rental rule held
         wait_for(lambda: [r for r in job.truth_records() if r["rank"] == 1
                           and r["microbatches"] < 8 and r["start_ns"] > applied["time_ns"]],
                  60, "rank 1 to run fewer micro-batches")
