@@ -117,18 +117,17 @@ class JobPipeline:
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
                 continue
-            if self._paused(item):
-                f = item.fields()
-                f["paused"] = True
-                out.append(("iteration", f, item.start_ns + item.dur_ns))
+            # Reported, but not the job's speed: kept from the detectors.
+            skip = "paused" if self._paused(item) else \
+                "settling" if item.start_ns < self.settle_until_ns else None
+            if skip != "paused":
+                rs.last = item
+            f = item.fields()
+            if skip:
+                f[skip] = True
+            out.append(("iteration", f, item.start_ns + item.dur_ns))
+            if skip:
                 continue
-            rs.last = item
-            if item.start_ns < self.settle_until_ns:
-                f = item.fields()
-                f["settling"] = True
-                out.append(("iteration", f, item.start_ns + item.dur_ns))
-                continue
-            out.append(("iteration", item.fields(), item.start_ns + item.dur_ns))
             rs.fed.append((item.index, item.start_ns))
             cp = rs.detector.update(item.dur_ns / 1e6)
             if cp:
