@@ -235,3 +235,23 @@ def test_a_change_right_after_a_brief_level_is_still_reported():
         ev = detect(x)
         slow = [(i, at) for k, i, at in ev if k == "slowdown" and i > 300]
         assert slow and abs(slow[0][0] - 306) <= 3 and slow[0][1] - 306 <= 10, (seed, ev)
+
+
+def test_a_short_noisy_slow_stretch_still_ends_in_a_recovery():
+    # 20 iterations at x1.2 with 20% noise, then the healthy level for good:
+    # the faster level is not significant against so short and noisy a slow
+    # one, and BOCD's segment start stays there. Compared with the healthy
+    # level instead, the detector says recovery and is not stuck slow.
+    rng = np.random.default_rng(0)
+    x = np.r_[50 * np.exp(rng.normal(0, 0.05, 200)), 60 * np.exp(rng.normal(0, 0.2, 20)),
+              50 * np.exp(rng.normal(0, 0.05, 400))]
+    d = SlowdownDetector()
+    ev = [(cp.kind, cp.index, cp.detected_at) for cp in map(d.update, x) if cp]
+    assert [k for k, _, _ in ev] == ["slowdown", "recovery"], ev
+    assert 200 <= ev[1][1] <= 2 * d.history + 220 and d.state == "ok", ev
+
+
+def test_a_persistent_slowdown_stays_slow():
+    for seed in range(5):
+        x, _ = iteration_series(1200, changes=((200, 1.3),), cv=0.1, seed=seed)
+        assert [k for k, _, _ in detect(x)] == ["slowdown"], seed

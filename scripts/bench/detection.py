@@ -5,7 +5,10 @@
 - detection delay of SlowdownDetector for 20% and 10% slowdowns at CV 5%;
 - false alarms over 10,000 healthy iterations at CV 5% with occasional
   one-iteration 3x spikes;
-- recoveries reported as `recovery`, never as `slowdown`.
+- recoveries reported as `recovery`, never as `slowdown`;
+- short, noisy slow stretches (x1.2-1.5, 20-120 iterations, 10-30% noise)
+  followed by the healthy level for good: series left stuck `slow`; and
+  persistent slowdowns (x1.15-2) wrongly ended by a `recovery`.
 Optionally (--truth FILE --trace FILE) the error on a real gloo DDP job.
 """
 from __future__ import annotations
@@ -92,6 +95,34 @@ def recoveries(seeds: int) -> tuple[int, int]:
     return rec, wrong
 
 
+def noisy_stretches() -> tuple[int, int, int, int]:
+    """(series stuck slow, of how many; persistent slowdowns given a
+    recovery, of how many)."""
+    import itertools
+    stuck = n = ended = m = 0
+    for seed, cv, cv_slow, factor, length in itertools.product(
+            range(6), (0.05, 0.1, 0.15), (0.1, 0.2, 0.3), (1.2, 1.3, 1.5), (20, 60, 120)):
+        rng = np.random.default_rng(seed)
+        x = np.r_[50 * np.exp(rng.normal(0, cv, 200)),
+                  50 * factor * np.exp(rng.normal(0, cv_slow, length)),
+                  50 * np.exp(rng.normal(0, cv, 800))]
+        d = SlowdownDetector()
+        for v in x:
+            d.update(v)
+        n += 1
+        stuck += d.state == "slow"
+    for seed, cv, cv_slow, factor in itertools.product(
+            range(8), (0.05, 0.1, 0.15), (0.05, 0.1, 0.2, 0.3), (1.15, 1.2, 1.3, 1.5, 2.0)):
+        rng = np.random.default_rng(seed)
+        x = np.r_[50 * np.exp(rng.normal(0, cv, 200)),
+                  50 * factor * np.exp(rng.normal(0, cv_slow, 1000))]
+        d = SlowdownDetector()
+        m += 1
+        ended += any(cp is not None and cp.kind == "recovery" and t >= 200
+                     for t, cp in enumerate(map(d.update, x)))
+    return stuck, n, ended, m
+
+
 def real_job(trace: str, truth: str) -> tuple[float, float]:
     from greyhound_bpf.replay import replay
     ev = replay(trace)
@@ -147,6 +178,11 @@ def main() -> int:
     rec, wrong = recoveries(args.seeds)
     res["recovery"] = {"recoveries": rec, "as_slowdown": wrong}
     print(f"30% slowdown lifted, {args.seeds} seeds: {rec} recovery events, {wrong} reported as slowdown")
+    stuck, n, ended, m = noisy_stretches()
+    res["noisy_stretches"] = {"stuck_slow": stuck, "series": n,
+                              "persistent_ended": ended, "persistent": m}
+    print(f"short noisy slow stretch, then healthy: {stuck} of {n} series stuck slow; "
+          f"persistent slowdowns given a recovery: {ended} of {m}")
     if args.trace and args.truth:
         e1, e10 = real_job(args.trace, args.truth)
         res["real"] = {"per_iter": e1, "mean10": e10}
