@@ -84,14 +84,17 @@ def read_events(path: Path) -> list[dict]:
     return out
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05, why=None):
+    """Poll `pred` until it returns something true; on a timeout the error
+    says what was awaited and, given `why` (a callable), what was seen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
         if v:
             return v
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    seen = f"; seen:\n{why()}" if why else ""
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{seen}")
 
 
 def free_port() -> int:
@@ -144,6 +147,14 @@ class Tracer:
             self._pos += len(chunk[:done].encode())
             self._events += [json.loads(line) for line in chunk[:done].splitlines() if line]
         return [e for e in self._events if kind is None or e["kind"] == kind]
+
+    def story(self) -> str:
+        """What the detectors, diagnosis and policy reported, one line per
+        event, for a failure message."""
+        keep = ("kind", "scope", "index", "ratio", "cause", "evidence", "ranks", "link",
+                "strategy", "reason", "numbers", "details")
+        return "\n".join(str({k: e[k] for k in keep if k in e}) for e in self.events()
+                         if e["kind"] in ("slowdown", "recovery", "action", "diagnosis"))
 
     def measured(self, rank: int) -> list[dict]:
         """The rank's iterations that the detectors took: after the settling

@@ -32,14 +32,15 @@ def test_link_slowdown_is_communication(tracer, tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         named = lambda ev: [e for e in t.events("diagnosis") if e["time_ns"] > start  # noqa: E731
                             and e["evidence"] == ev and e["cause"] != "unknown"]
-        diag = wait_for(lambda: named("passive"), 60, "a passive diagnosis", interval=0.5)[0]
+        diag = wait_for(lambda: named("passive"), 60, "a passive diagnosis", interval=0.5,
+                        why=t.story)[0]
         val = wait_for(lambda: named("validation"), 60, "a validated diagnosis",
-                       interval=0.5)[0]
+                       interval=0.5, why=t.story)[0]
         out, _ = inj.communicate(timeout=60)
         assert inj.returncode == 0 and "undone" in out
         wait_for(lambda: [e for e in t.events("recovery") if e["scope"] == "job"
                           and e["time_ns"] > start], 90, "a recovery after the lift",
-                 interval=0.5)
+                 interval=0.5, why=t.story)
         assert t.stop() == 0
         assert diag["cause"] == "communication", t.events("diagnosis")
         assert (val["cause"], val["link"], val["ranks"]) == ("communication", "rank 1", [1])

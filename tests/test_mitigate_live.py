@@ -21,14 +21,6 @@ def plans(t):
     return [e for e in t.events("action") if e.get("plan", {}).get("microbatches")]
 
 
-def story(t) -> str:
-    """What the policy saw and did, one line per event, for a failure message."""
-    keep = ("kind", "scope", "index", "ratio", "cause", "evidence", "strategy", "reason",
-            "numbers")
-    return "\n".join(str({k: e[k] for k in keep if k in e}) for e in t.events()
-                     if e["kind"] in ("slowdown", "recovery", "action", "diagnosis"))
-
-
 def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
     ctl = tmp_path / "ctl.json"
     job = ddp_job(2, 0, *TRAIN, "--control-file", str(ctl), go=False)
@@ -46,7 +38,7 @@ def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
             late = [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9]
             for p in late:
                 c = {int(k): v for k, v in p["plan"]["microbatches"].items()}
-                assert c[1] <= c[0] and sum(c.values()) == 16, story(t)
+                assert c[1] <= c[0] and sum(c.values()) == 16, t.story()
             return [p for p in late if p["plan"]["microbatches"]["1"] < p["plan"]["microbatches"]["0"]]
         plan = wait_for(around_rank1, 120, "a plan around rank 1", interval=0.5)[0]
         applied = wait_for(lambda: [e for e in t.events("applied") if e["seq"] == plan["seq"]],
