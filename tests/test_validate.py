@@ -156,6 +156,41 @@ def test_cpu_quota_straggler_is_measured(ddp_job, tmp_path):
 
 @pytest.mark.bpf
 @pytest.mark.slow
+def test_a_device_slow_only_for_a_moment_is_not_named(ddp_job):
+    """Rank 2 under a CPU quota for the first pause only (a busy moment of a
+    shared host, made real): its GEMM reads slow twice, the confirmation
+    after the job has run again reads it healthy, and nothing is named."""
+    from greyhound_bpf import validate
+    job = ddp_job(4, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
+    members = validate.members_for_job([job.proc.pid])
+    pid2 = next(m.pid for m in members if m.rank == 2)
+    quota = CpuQuota(pid2, 0.3)
+    said = []
+
+    def progress(msg):
+        said.append(msg)
+        if msg.startswith("confirming"):
+            quota.undo()                            # the moment is over
+
+    v = validate.Validator(members, progress=progress)
+    try:
+        v.start()
+        quota.apply()
+        res = v.measure()
+    finally:
+        quota.undo()
+        v.close()
+    fields = decide(res)
+    assert any(m.startswith("confirming rank 2") for m in said), said
+    assert res.pauses == 2 and res.devices[2]["passes"] == 3, (said, res)
+    assert fields["cause"] == "unknown" and fields["ranks"] == [], fields
+    assert res.paused_s <= 5
+    assert workers_left() == []
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
 def test_rate_limited_link_is_named(tmp_path):
     truth = tmp_path / "truth.jsonl"
     out = tmp_path / "v.jsonl"
