@@ -321,8 +321,11 @@ def cmd_validate(args) -> int:
         members = validate.members_for_job(args.pids)
         st = validate.read_stat(args.pids[0])
         job = f"{st.comm if st else 'job'}-{args.pids[0]}"
-    validate.check_python(args.python)
     err = Console(stderr=True)
+    # Checking the interpreter imports torch, as the workers do: load on the
+    # host that a tracer there must not blame on the job.
+    with validate.Busy("check"):
+        validate.check_python(args.python)
     v = validate.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
                            start_timeout_s=args.timeout, python=args.python,
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",

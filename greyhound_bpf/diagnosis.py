@@ -24,7 +24,9 @@ after the onset with before it:
 The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
 over `window` iterations on each side of the onset; a verdict needs
 `min_after` iterations after it on every rank and a slowdown that has lasted
-`min_lasted_s` (a blip of a busy host is not a fault), and it is ``unknown``
+`min_lasted_s` (a blip of a busy host is not a fault), or BUSY_BEFORE_NS
+while it lasts (so that validation activity that begins just after the
+onset is seen), and it is ``unknown``
 when over these windows the job is less than `min_ratio` slower.
 """
 from __future__ import annotations
@@ -137,6 +139,11 @@ class PassiveDiagnoser:
     def _try(self) -> list[dict]:
         from_ns = self._after_busy()
         if from_ns is None:
+            return []
+        newest = max((s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
+        if self.until_ns is None and newest < self.onset_ns + BUSY_BEFORE_NS:
+            # Validation activity that begins just after the onset (another
+            # `validate` starting up) may be the cause: it must be seen first.
             return []
         per = {}
         for rank, s in self.ranks.items():

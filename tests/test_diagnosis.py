@@ -137,6 +137,22 @@ def test_slowdown_during_validation_activity_waits_for_it_to_end():
     assert feed(d2, 30, [20] * 4, [10] * 4, start=35) == []
 
 
+def test_validation_that_starts_just_after_the_onset_is_waited_for():
+    # Another `validate` starting up 1 s after the onset (its load may be the
+    # slowdown): no verdict before 2 s, by then the activity is seen, and the
+    # verdict waits for its end and uses only the iterations after it.
+    d = PassiveDiagnoser(min_lasted_s=1.0, min_after=3)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    assert feed(d, 5, [20] * 4, [25] * 4, start=30) == []     # 1.5 s after the onset
+    d.busy.append([33 * STEP, None])
+    assert feed(d, 20, [20] * 4, [25] * 4, start=35) == []    # busy
+    d.busy[-1][1] = 55 * STEP
+    out = feed(d, 20, [20] * 4, [10] * 4, start=55)
+    assert [v["cause"] for v in out] == ["unknown"], out           # it was ours
+    assert out[0]["details"]["after_validation_from_ns"] == 55 * STEP + 2 * 10**9
+
+
 def test_small_compute_wobble_is_no_straggler():
     # Rank 2's compute grew by 3 ms of 40 (< 25% of its own) while the
     # others waited: not a straggler, whatever the slowdown's size.
