@@ -22,8 +22,9 @@ The job is paused (SIGSTOP) only while the benchmarks measure, never while
 workers start; a watchdog process resumes it after `pause_max_s` even if
 this process is killed. A suspect is measured twice in that pause (with the
 fastest device as a witness) and, if still slow, once more in a second
-short pause after the job has run CONFIRM_AFTER_S; it keeps its best time. Every wait has a deadline; workers are killed on
-every exit path and whatever could not be measured is reported as such.
+short pause after the job has run CONFIRM_AFTER_S; it keeps its best time.
+Every wait has a deadline; workers are killed on every exit path and
+whatever could not be measured is reported as such.
 
 Decision (`decide`): the reference is the *lower* median of the measured
 values, so that with two devices the faster one is the reference and one
@@ -682,16 +683,21 @@ class Validator:
         self.progress(f"GEMM on {len(ready)} device(s)"
                       + (" at once" if gpus else ", one at a time"))
         self._gemm_pass(ready, gpus, secs, res)
-        # A suspect is measured again with the fastest device as a witness,
-        # and keeps its better time: noise (a busy moment of a shared host)
-        # rarely hits the same device twice, a slow device is slow each time.
-        twice: set = set()
-        for _ in range(3):           # a better witness can make others suspect
-            suspects = set(self._slow_devices(res)) - twice
+        self._recheck_devices(gpus, secs, res)
+
+    def _recheck_devices(self, gpus: bool, secs: float, res: Result) -> None:
+        """A suspect is measured again with the fastest device as a witness,
+        and keeps its better time: noise (a busy moment of a shared host)
+        rarely hits the same device twice, a slow device is slow each time.
+        A better time lowers the reference and can make another device
+        suspect: repeat until each suspect has been re-measured (3 rounds)."""
+        done: set = set()
+        for _ in range(3):
+            suspects = set(self._slow_devices(res)) - done
             if not suspects:
                 break
             self.progress(f"GEMM again on rank(s) {', '.join(map(str, sorted(suspects)))}")
-            twice |= self._gemm_again(suspects, gpus, secs, res)
+            done |= self._gemm_again(suspects, gpus, secs, res)
 
     @staticmethod
     def _slow_devices(res: Result) -> list[int]:
@@ -743,20 +749,11 @@ class Validator:
                 gpus, secs = self._gemm_seconds(ready)
                 for r in ready:
                     self.workers[r].place()
-                # A suspect that measures healthy now lowers the reference
-                # and can make a device suspect that was not: it is
-                # confirmed too (3 rounds at most, as in the first pause).
-                confirmed: set = set()
-                for _ in range(3):
-                    todo = set(devices) - confirmed
-                    if not todo:
-                        break
-                    confirmed |= self._gemm_again(todo, gpus, secs, res)
-                    devices = self._slow_devices(res)
+                self._recheck_devices(gpus, secs, res)
             if links:
                 for w in self.workers.values():
                     w.unplace()
-                self._links_again(links, res, "p2p confirm")
+                self._recheck_links(res, "p2p confirm")
         res.paused_s, res.pauses = max(res.paused_s, pause.seconds), res.pauses + 1
 
     def _gemm_pass(self, ranks: list[int], together: bool, secs: float, res: Result) -> None:
@@ -781,18 +778,21 @@ class Validator:
         res.links.update(got or {})
         if got is None:
             return
-        # Suspect edges are measured again (as suspect devices are): a busy
-        # moment of a shared host rarely hits the same edge twice. A better
-        # second time can lower the reference and make other edges suspect:
-        # repeat until every suspect has been measured twice (3 times at most).
-        twice: set = set()
+        self._recheck_links(res, "p2p again")
+
+    def _recheck_links(self, res: Result, what: str) -> None:
+        """Suspect edges are measured again (as suspect devices are): a busy
+        moment of a shared host rarely hits the same edge twice. A better
+        time can lower the reference and make other edges suspect: repeat
+        until each suspect has been re-measured (3 rounds at most)."""
+        done: set = set()
         for _ in range(3):
-            suspects = link_suspects({e: d["rtt_ms"] for e, d in res.links.items()}) - twice
+            suspects = link_suspects({e: d["rtt_ms"] for e, d in res.links.items()}) - done
             if not suspects:
                 break
-            if not self._links_again(suspects, res, "p2p again"):
+            if not self._links_again(suspects, res, what):
                 return
-            twice |= suspects
+            done |= suspects
         else:
             res.untested.append("links: suspects kept changing over 3 re-measurements")
 
