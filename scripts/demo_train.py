@@ -216,4 +216,12 @@ class _null:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's finalization: even after
+    # destroy_process_group, a gloo worker thread can still be torn down
+    # with it and abort a finished rank ("terminate called without an active
+    # exception", SIGABRT; pytorch/pytorch#179291 discusses it). Every
+    # output is written and flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
