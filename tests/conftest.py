@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ROOT / "tests" / "targets"
 GREYHOUND = [sys.executable, "-m", "greyhound_bpf.cli"]
+QUIET_S = 3.0      # seconds without validation activity before a test injects
 
 
 def _bpf_unavailable() -> str | None:
@@ -170,11 +171,24 @@ class Tracer:
         wait_for(lambda: len(self.measured(0)) >= n, timeout, f"{n} healthy iterations",
                  interval=0.5)
 
+        # Validation activity (the worker pool starting, a validation of a
+        # noise slowdown) slows the job down a moment later, and its
+        # slowdown is reported only once detected: wait until none has run
+        # for QUIET_S, then until no job slowdown is in progress.
+        from greyhound_bpf.validate import busy_since
+        quiet = [time.monotonic()]
+
         def settled():
+            if busy_since() is not None:
+                quiet[0] = time.monotonic()
+                return False
+            if time.monotonic() - quiet[0] < QUIET_S:
+                return False
             changes = [e for e in self.events() if e["kind"] in ("slowdown", "recovery")
                        and e["scope"] == "job"]
             return not changes or changes[-1]["kind"] == "recovery"
-        wait_for(settled, 60, "no job slowdown in progress", interval=0.5)
+        wait_for(settled, 90, "no validation activity and no job slowdown in progress",
+                 interval=0.5, why=self.story)
 
     def attached_ranks(self) -> list[dict]:
         return [r for e in self.events("attach") for r in e["ranks"]]
