@@ -29,6 +29,7 @@ from jobkit import (BIN, cpu_seconds, median_dur, rank_pids, read_jsonl, start_j
                     stop_job, wait_until)
 
 SLOW_RANK = 2
+QUIET_S = 3.0     # > the passive diagnosis' margin after validation (BUSY_AFTER_NS)
 
 
 def say(msg: str) -> None:
@@ -120,6 +121,24 @@ def summarize(work: Path, t: dict) -> int:
     return 0 if ok else 1
 
 
+def quiet_before_injecting(headless: bool, longest_s: float = 30.0) -> None:
+    """Wait until no validation has run on this machine for QUIET_S: the
+    tracer validates a healthy job's noise slowdowns too, and a fault injected
+    while that runs would be judged on iterations our own benchmark slowed."""
+    from greyhound_bpf.validate import busy_since
+    deadline, quiet_since = time.monotonic() + longest_s, time.monotonic()
+    told = False
+    while time.monotonic() < deadline:
+        if busy_since() is not None:
+            quiet_since = time.monotonic()
+            if headless and not told:
+                say("waiting for the validation in progress to finish before the slowdown")
+                told = True
+        elif time.monotonic() - quiet_since >= QUIET_S:
+            return
+        time.sleep(0.2)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--headless", action="store_true",
@@ -164,6 +183,7 @@ def main(argv=None) -> int:
         c0, t0 = cpu_seconds(victim), time.monotonic()
         time.sleep(args.healthy)
         share = (cpu_seconds(victim) - c0) / (time.monotonic() - t0)
+        quiet_before_injecting(args.headless)
         quota = max(0.01, share / 2)
         inj_cmd = [str(BIN / "greyhound-trace"), "inject", "compute", "--pid", str(victim),
                    "--quota", f"{quota:.3f}", "--for", str(args.slow)]
