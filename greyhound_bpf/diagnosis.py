@@ -14,7 +14,10 @@ after the onset with before it:
   communicator named is the smallest one of the communicator map
   (greyhound_bpf.topology) that holds every such rank. When only the two
   ends of a pipeline (p2p) edge wait longer, that edge is the link;
-- otherwise ``unknown``, with the numbers: never a guess;
+- otherwise ``unknown``, with the numbers: never a guess. A slowdown that
+  grows in steps is judged from its first onset, then from each further
+  step's onset until one names a cause: a fault that begins during a busy
+  host's own slow episode is compared with that episode's level;
 - a slowdown that began while validation workers were starting or measuring
   on this machine (`busy` windows) may be ours: that load slows some rank of
   a busy host down for real. Its verdict waits until that activity is over
@@ -72,6 +75,7 @@ class PassiveDiagnoser:
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
         self.until_ns: int | None = None       # the slow level's end, once recovered
+        self.steps: list[dict] = []            # further job slowdown steps, not yet judged
         self.done = False
 
     def observe(self, ev: dict) -> list[dict]:
@@ -88,9 +92,13 @@ class PassiveDiagnoser:
             return []
         if kind == "slowdown" and ev.get("scope") == "job":
             if self.slowdown is not None and not self.done and self.until_ns is None:
-                return self._try()      # a further step of an undecided slowdown: same onset
+                # A further step of an undecided slowdown: judged from the
+                # same onset (a ramp), and from its own if that says unknown
+                # (a fault that began during a host's noise episode).
+                self.steps.append(ev)
+                return self._try()
             self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
-            self.until_ns = None
+            self.until_ns, self.steps = None, []
             return self._try()
         if kind == "applied" and self.slowdown is not None and not self.done:
             # A plan changes each rank's work: later iterations no longer
@@ -114,7 +122,7 @@ class PassiveDiagnoser:
                 self.until_ns = int(end) if end else max(
                     (s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
                 out = self._try()
-            self.slowdown, self.onset_ns, self.until_ns = None, None, None
+            self.slowdown, self.onset_ns, self.until_ns, self.steps = None, None, None, []
             return out
         return []
 
@@ -137,6 +145,23 @@ class PassiveDiagnoser:
         return from_ns
 
     def _try(self) -> list[dict]:
+        out = self._judge()
+        # An unknown verdict on the first step defers to the next step's own
+        # onset (its before-window is the first step's level), if it began
+        # before the evidence ends: each step gets a verdict until one names a
+        # cause or none is left.
+        while out and out[0]["cause"] == "unknown" and self.steps:
+            step = self.steps.pop(0)
+            if self.until_ns is not None and int(step["onset_ns"]) >= self.until_ns:
+                continue
+            earlier = out
+            self.slowdown, self.onset_ns, self.done = step, int(step["onset_ns"]), False
+            out = self._judge()
+            if not out and self.until_ns is not None:
+                out, self.done = earlier, True      # too little evidence left: it stands
+        return out
+
+    def _judge(self) -> list[dict]:
         from_ns = self._after_busy()
         if from_ns is None:
             return []

@@ -210,3 +210,29 @@ def test_a_plan_applied_before_the_verdict_caps_the_evidence():
     out = d.observe({"kind": "applied", "seq": 1, "time_ns": 34 * STEP})
     assert [v["cause"] for v in out] == ["unknown"] and "mitigation plan" in out[0]["reason"]
     assert feed(d, 20, [20, 25, 25, 25], [20, 15, 15, 15], start=34) == []    # decided
+
+
+def test_a_fault_that_begins_during_a_noise_episode_is_judged_from_its_own_step():
+    # CI's demo: the busy host slowed every rank's collectives a little (a
+    # first step, unknown on its own windows), and soon after the injected
+    # quota made rank 2 compute twice as long (a further step, reported
+    # before the first step's verdict).
+    d = PassiveDiagnoser(window=4, min_after=4)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 4, [20] * 4, [15] * 4, start=30)
+    fault = ([20, 20, 40, 20], [35, 35, 15, 35])
+    out += feed(d, 2, *fault, start=34)
+    out += d.observe({**slowdown(34), "onset_ns": 34 * STEP})
+    out += feed(d, 20, *fault, start=36)
+    assert [(v["cause"], v["ranks"], v["index"]) for v in out] == [("computation", [2], 34)]
+
+
+def test_an_unknown_step_stands_when_the_next_one_has_no_evidence():
+    d = PassiveDiagnoser(window=4, min_after=4, min_lasted_s=0.5)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    assert feed(d, 6, [20] * 4, [15] * 4, start=30) == []
+    assert d.observe({**slowdown(34), "onset_ns": 34 * STEP}) == []
+    out = d.observe({"kind": "recovery", "scope": "job", "index": 36, "onset_ns": 36 * STEP})
+    assert [(v["cause"], v["index"]) for v in out] == [("unknown", 30)]
