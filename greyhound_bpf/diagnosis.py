@@ -14,6 +14,10 @@ after the onset with before it:
   communicator named is the smallest one of the communicator map
   (greyhound_bpf.topology) that holds every such rank. When only the two
   ends of a pipeline (p2p) edge wait longer, that edge is the link;
+- a cause is named only when it holds over the first `window` iterations
+  after the onset and over the latest ones when the verdict is made
+  (seconds later): a rank descheduled for a moment on a busy host looks like
+  a straggler at first, a fault lasts;
 - otherwise ``unknown``, with the numbers: never a guess. A slowdown that
   grows in steps is judged from its first onset, then from each further
   step's onset until one names a cause: a fault that begins during a busy
@@ -60,6 +64,13 @@ COMM_RATIO = 2.0
 @dataclass
 class _Series:
     rows: deque = field(default_factory=lambda: deque(maxlen=256))   # (start_ns, dur, compute, comm)
+
+
+def _medians(before: list, after: list) -> dict:
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {"compute_before_ms": med(before, 2), "compute_after_ms": med(after, 2),
+            "comm_before_ms": med(before, 3), "comm_after_ms": med(after, 3),
+            "iter_before_ms": med(before, 1), "iter_after_ms": med(after, 1)}
 
 
 class PassiveDiagnoser:
@@ -127,9 +138,11 @@ class PassiveDiagnoser:
         return []
 
     def _split(self, s: _Series, from_ns: int):
+        """The `window` iterations before the onset, and every one since
+        `from_ns` (until the slow level's end, once known)."""
         before = [r for r in s.rows if r[0] < self.onset_ns][-self.window:]
         after = [r for r in s.rows if r[0] >= from_ns
-                 and (self.until_ns is None or r[0] < self.until_ns)][:self.window]
+                 and (self.until_ns is None or r[0] < self.until_ns)]
         return before, after
 
     def _after_busy(self) -> int | None:
@@ -170,20 +183,36 @@ class PassiveDiagnoser:
             # Validation activity that begins just after the onset (another
             # `validate` starting up) may be the cause: it must be seen first.
             return []
-        per = {}
+        per, late = {}, {}
         for rank, s in self.ranks.items():
             before, after = self._split(s, from_ns)
             last = s.rows[-1][0] if self.until_ns is None else self.until_ns
             if (len(before) < self.min_after or len(after) < self.min_after
                     or last < from_ns + self.min_lasted_ns):
                 return []
-            med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-            per[rank] = {"compute_before_ms": med(before, 2), "compute_after_ms": med(after, 2),
-                         "comm_before_ms": med(before, 3), "comm_after_ms": med(after, 3),
-                         "iter_before_ms": med(before, 1), "iter_after_ms": med(after, 1)}
+            per[rank] = _medians(before, after[:self.window])
+            late[rank] = _medians(before, after[-self.window:])
         if len(per) < 2:
             return []
         self.done = True
+        out = self._classify(per, from_ns)
+        v = out[0]
+        if v["cause"] == "unknown":
+            return out
+        # A fault lasts; a busy host's episodes pass. The verdict must hold
+        # over the latest iterations too (seconds later: the verdict waits
+        # BUSY_BEFORE_NS), or it is not named.
+        again = self._classify(late, from_ns)[0]
+        if (again["cause"], again["ranks"], again["link"]) == (v["cause"], v["ranks"], v["link"]):
+            return out
+        v["details"]["latest"] = {str(r): {k: round(x, 3) for k, x in p.items() if "after" in k}
+                                  for r, p in sorted(late.items())}
+        return [{**v, "cause": "unknown", "ranks": [], "communicator": None, "link": None,
+                 "reason": f"at first {v['reason']}, but over the latest {self.window} "
+                           f"iterations: {again['reason']}; a passing episode is no fault "
+                           "(validation measures it)"}]
+
+    def _classify(self, per: dict, from_ns: int) -> list[dict]:
         delta = statistics.median(p["iter_after_ms"] - p["iter_before_ms"] for p in per.values())
         d_comp = {r: p["compute_after_ms"] - p["compute_before_ms"] for r, p in per.items()}
         d_comm = {r: p["comm_after_ms"] - p["comm_before_ms"] for r, p in per.items()}

@@ -236,3 +236,18 @@ def test_an_unknown_step_stands_when_the_next_one_has_no_evidence():
     assert d.observe({**slowdown(34), "onset_ns": 34 * STEP}) == []
     out = d.observe({"kind": "recovery", "scope": "job", "index": 36, "onset_ns": 36 * STEP})
     assert [(v["cause"], v["index"]) for v in out] == [("unknown", 30)]
+
+
+def test_a_straggler_that_passes_before_the_verdict_is_not_named():
+    # What a healthy 4-rank job on a 2-core VM can show: rank 1 descheduled
+    # for a moment computes longer while the others wait for it; seconds
+    # later, while the job is still slow on other noise, it computes as before.
+    d = PassiveDiagnoser(window=4, min_after=4)
+    feed(d, 30, [20] * 4, [10] * 4)
+    d.observe(slowdown(30))
+    out = feed(d, 4, [20, 40, 20, 20], [30, 10, 30, 30], start=30)
+    out += feed(d, 10, [20, 20, 20, 20], [22, 22, 22, 22], start=34)
+    assert [v["cause"] for v in out] == ["unknown"], out
+    v = out[0]
+    assert "rank 1's compute grew" in v["reason"] and "passing episode" in v["reason"]
+    assert v["details"]["latest"]["1"]["compute_after_ms"] < 25
