@@ -4,10 +4,11 @@ Fed the event stream like every other consumer. When the job slows down it
 compares each rank's compute and blocked (communication) time per iteration
 after the onset with before it:
 
-- **computation straggler**: one rank's compute grew by at least half the
-  slowdown (and by half its own value) while every other rank's blocked time grew by at least half of it
-  (they wait for it in the collective; DESIGN.md: with synchronous gloo
-  collectives the slow rank waits least);
+- **computation straggler**: one rank's compute grew by at least a quarter
+  of the slowdown (and by half its own value) while every other rank's
+  compute stayed flat and its blocked time grew by at least half of it, and
+  by more than the straggler's (they wait for it in the collective;
+  DESIGN.md: with synchronous gloo collectives the slow rank waits least);
 - **communication**: blocked time grew by at least half the slowdown (and by
   half its own value, the median rank's doubling: `COMM_RATIO`) on every
   rank while no rank's compute grew by more than a quarter of it; the
@@ -51,7 +52,12 @@ REL_GROW = 0.5
 # A named verdict needs the job >= 25% slower over the windows: a healthy
 # busy host moves a rank's few-ms compute by 4 ms (15-20% of an iteration).
 NAME_RATIO = 1.25
-GROW = 0.5        # the straggler's compute / the others' wait grew by >= this x the slowdown
+GROW = 0.5        # the others' wait grew by >= this x the slowdown
+# The straggler's compute grew by >= this x the slowdown: a rank throttled
+# by a CPU quota is throttled in its own collectives too (gloo's threads
+# share its cgroup), so part of its lost time shows there. A 4-rank job with
+# rank 2 at half its CPU: compute +13-21 ms of a 33-42 ms slowdown (0.32-0.51).
+STRAGGLER_SHARE = 0.25
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 # A whole communicator is named slow only when its collectives take >= this
 # x as long as before (median rank). On a CPU host gloo's collectives are
@@ -234,12 +240,14 @@ class PassiveDiagnoser:
                      "reason": f"{delta:.1f} ms per iteration ({100 * delta / before_ms:.0f}%) is "
                                f"too small to name from timing alone on a shared host (under "
                                f"{100 * (NAME_RATIO - 1):.0f}%); validation measures it"}]
-        grew = [r for r, d in d_comp.items() if d >= GROW * delta
+        grew = [r for r, d in d_comp.items() if d >= STRAGGLER_SHARE * delta
                 and d >= REL_GROW * per[r]["compute_before_ms"]]
         if len(grew) == 1:
             s = grew[0]
             others = [r for r in per if r != s]
-            if all(d_comm[r] >= GROW * delta and d_comp[r] < FLAT * delta for r in others):
+            # ...the others wait for it, and longer than it waits for them.
+            if all(d_comm[r] >= GROW * delta and d_comp[r] < FLAT * delta
+                   and d_comm[r] > d_comm[s] for r in others):
                 return [{**out, "cause": "computation", "ranks": [s],
                          "reason": f"rank {s}'s compute grew {d_comp[s]:.1f} ms per iteration "
                                    f"while the others waited {statistics.median(d_comm[r] for r in others):.1f} ms "

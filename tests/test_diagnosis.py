@@ -251,3 +251,22 @@ def test_a_straggler_that_passes_before_the_verdict_is_not_named():
     v = out[0]
     assert "rank 1's compute grew" in v["reason"] and "passing episode" in v["reason"]
     assert v["details"]["latest"]["1"]["compute_after_ms"] < 25
+
+
+def test_a_quota_straggler_also_slow_in_its_own_collectives_is_named():
+    # Live numbers: rank 2 at half its CPU is throttled in its gloo threads
+    # too; its compute grew 13.5 ms of a 42 ms slowdown, its own wait 24 ms,
+    # the others' 42 ms.
+    d = PassiveDiagnoser()
+    feed(d, 30, [9, 6, 11, 9], [19, 21, 17, 16], noise=0.0)
+    d.observe(slowdown(30))
+    out = feed(d, 12, [9, 8, 24, 8], [61, 62, 42, 62], start=30, noise=0.0)
+    assert [(v["cause"], v["ranks"]) for v in out] == [("computation", [2])]
+
+
+def test_a_rank_that_waits_as_long_as_the_others_is_no_straggler():
+    d = PassiveDiagnoser()
+    feed(d, 30, [9, 6, 11, 9], [19, 21, 17, 16], noise=0.0)
+    d.observe(slowdown(30))
+    out = feed(d, 12, [9, 8, 24, 8], [61, 62, 60, 62], start=30, noise=0.0)
+    assert [v["cause"] for v in out] == ["unknown"]
