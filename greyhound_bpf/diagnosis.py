@@ -192,6 +192,16 @@ class PassiveDiagnoser:
         per, late = {}, {}
         for rank, s in self.ranks.items():
             before, after = self._split(s, from_ns)
+            if len(before) < self.min_after and len(s.rows) == s.rows.maxlen:
+                # A drift found long after it began: the iterations before
+                # its onset are no longer kept, and never will be again.
+                self.done = True
+                return [{"evidence": "passive", "index": self.slowdown["index"], "ranks": [],
+                         "communicator": None, "link": None, "cause": "unknown",
+                         "details": {"onset_ns": self.onset_ns, "oldest_kept_ns": s.rows[0][0]},
+                         "reason": "the slowdown began before the oldest iteration kept "
+                                   f"({s.rows.maxlen} per rank): nothing to compare it with; "
+                                   "validation measures it"}]
             last = s.rows[-1][0] if self.until_ns is None else self.until_ns
             if (len(before) < self.min_after or len(after) < self.min_after
                     or last < from_ns + self.min_lasted_ns):
