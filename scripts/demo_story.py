@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jobkit import (BIN, cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
+from jobkit import (BIN, cpu_share, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
                     stop_job, wait_until)
 
 SLOW_RANK = 2
@@ -188,9 +188,7 @@ def main(argv=None) -> int:
             return 1
         t["attached"] = time.time_ns()
         victim = pids[SLOW_RANK]
-        c0, t0 = cpu_seconds(victim), time.monotonic()
-        time.sleep(args.healthy)
-        share = (cpu_seconds(victim) - c0) / (time.monotonic() - t0)
+        share = cpu_share(victim, args.healthy)
         quiet_before_injecting(args.headless)
         quota = max(0.01, share / 2)
         inj_cmd = [str(BIN / "greyhound-trace"), "inject", "compute", "--pid", str(victim),

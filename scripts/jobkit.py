@@ -72,6 +72,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_share(pid: int, seconds: float) -> float:
+    """Wait `seconds` and return the CPUs the process used meanwhile (1.0 is
+    one CPU): an injection gives a rank half of what it was using."""
+    c0, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     out = []
     try:

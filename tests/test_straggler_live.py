@@ -8,23 +8,21 @@ turn), and one that overlaps the injection blurs the timing: the passive
 verdict then says `unknown` rather than guessing, which the design allows.
 So the fault is injected up to 3 times, each after the job has settled,
 until a passive verdict names a cause; a wrong one fails at once."""
+import sys
 import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import ROOT, wait_for
 from greyhound_bpf.inject import CpuQuota
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from jobkit import cpu_share  # noqa: E402  (the demo's and benchmarks' helper)
+
 TRIES = 3
-
-
-def cpu_seconds(pid: int) -> float:
-    import os
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+WAIT_S = 60      # per try, for both verdicts while the fault lasts
 
 
 def test_quota_straggler_is_named_passively_and_by_validation(ddp_job, tracer):
@@ -37,24 +35,24 @@ def test_quota_straggler_is_named_passively_and_by_validation(ddp_job, tracer):
     passive = validated = None
     for _ in range(TRIES):
         t.healthy_baseline(60)
-        c0, t0 = cpu_seconds(rank2), time.monotonic()
-        time.sleep(3)
-        share = (cpu_seconds(rank2) - c0) / (time.monotonic() - t0)
-        with CpuQuota(rank2, max(0.02, share / 2)):
+        with CpuQuota(rank2, max(0.02, cpu_share(rank2, 3) / 2)):
             start = time.time_ns()
-            wait_for(lambda: [e for e in verdicts(start) if e["evidence"] == "passive"], 90,
-                     "a passive verdict", interval=0.5, why=t.story)
-            got = wait_for(lambda: [e for e in verdicts(start)
-                                    if e["evidence"] == "validation"], 90,
-                           "a validated verdict", interval=0.5, why=t.story)
-        for e in verdicts(start):
-            assert e["cause"] == "unknown" or (e["cause"], e["ranks"]) == ("computation", [2]), \
-                t.story()
-        named = [e for e in verdicts(start) if e["evidence"] == "passive"
-                 and e["cause"] != "unknown"]
-        validated = validated or next((e for e in got if e["cause"] != "unknown"), None)
-        if named:
-            passive = named[0]
+            # While the fault lasts: every verdict names rank 2 or says
+            # unknown (a step of the host's own noise just before the fault
+            # gets its own verdicts), until both evidences have named it.
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                vs = verdicts(start)
+                for e in vs:
+                    assert e["cause"] == "unknown" or \
+                        (e["cause"], e["ranks"]) == ("computation", [2]), t.story()
+                named = {e["evidence"]: e for e in reversed(vs) if e["cause"] != "unknown"}
+                passive = passive or named.get("passive")
+                validated = validated or named.get("validation")
+                if passive and validated:
+                    break
+                time.sleep(0.5)
+        if passive:
             break
         # The job recovers from the lifted quota before the next try.
         wait_for(lambda: [e for e in t.events("recovery") if e["scope"] == "job"

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from jobkit import cpu_seconds, read_jsonl, wait_until  # noqa: E402
+from jobkit import cpu_share, read_jsonl, wait_until  # noqa: E402
 from netbed import NetBed  # noqa: E402
 
 from greyhound_bpf.inject import CpuQuota, LinkRate  # noqa: E402
@@ -109,9 +109,7 @@ def main(argv=None) -> int:
             for i in range(args.scenarios):
                 kind, rank = rng.choice(["compute", "link"]), rng.randrange(4)
                 gap = rng.uniform(8, 20)
-                c0, t0 = cpu_seconds(pids[rank]), time.monotonic()
-                time.sleep(gap)
-                share = (cpu_seconds(pids[rank]) - c0) / (time.monotonic() - t0)
+                share = cpu_share(pids[rank], gap)
                 fault = (CpuQuota(pids[rank], max(0.01, share / 2)) if kind == "compute"
                          else LinkRate(bed.host_dev(rank), "400mbit"))
                 onset = time.time_ns()

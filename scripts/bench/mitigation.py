@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jobkit import (cpu_seconds, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
+from jobkit import (cpu_share, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
                     stop_job, wait_until)
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
@@ -51,9 +51,7 @@ def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
         wait_until(lambda: any(e["kind"] == "iteration" for e in read_jsonl(events)), 120,
                    "the tracer's first iteration")
         victim = pids[slow_rank]
-        c0, t0 = cpu_seconds(victim), time.monotonic()
-        time.sleep(healthy_s)
-        share = (cpu_seconds(victim) - c0) / (time.monotonic() - t0)
+        share = cpu_share(victim, healthy_s)
         inject_ns = time.time_ns()
         quota = CpuQuota(victim, max(0.01, share / 2)).apply()
 
