@@ -194,6 +194,11 @@ class SkiRentalPolicy:
     def _iteration(self, ev: dict) -> list[Decision]:
         if ev["start_ns"] < self.applied_ns:
             return []
+        if self.slow and ev["start_ns"] + ev["dur_ns"] <= self.onset_ns:
+            # A rank's events can arrive late, after another rank's have
+            # already shown the slowdown: an iteration that ended before
+            # the onset is not a sample of the slow speed (keep_after).
+            return []
         rank = int(ev["rank"])
         keep = 4 * self.window
         r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),

@@ -259,3 +259,40 @@ def test_a_slowdown_detected_promptly_is_not_recovered_from_the_iterations_befor
     assert pol.slow
     d += run(pol, job, 20)
     assert [x.strategy for x in d if x.strategy != "none"] == ["rebalance_microbatches"]
+
+
+def test_a_ranks_iterations_from_before_the_onset_arriving_late_are_not_slow_samples():
+    # Seen live: the tracer delivered rank 1's events ~25 iterations after
+    # rank 0's. The slowdown (rank 1 under a CPU quota, and rank 0's own
+    # compute a third slower on the crowded host) was detected from rank 0's
+    # events; rank 1's healthy iterations from before the onset arrived
+    # after it, were taken as samples of the slow phase, made the quota'd
+    # rank look the fastest, and the plan moved work onto it.
+    job = Job([1.0] * 2, total=16)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(acks(job))
+    run(pol, job, 40)
+    held = []                                  # rank 1's events, delivered late
+    d = []
+
+    def step(catch_up=0):
+        evs, _ = job.iteration_events()
+        out = pol.observe(evs[0])
+        held.append(evs[1])
+        for _ in range(catch_up):
+            if held:
+                out += pol.observe(held.pop(0))
+        return out
+
+    for _ in range(20):
+        d += step()
+    job.t = [1.3, 4.0]
+    onset = job.index
+    for _ in range(4):
+        d += step()
+    d += pol.observe(slowdown(job, 10.0, 34.0, onset, onset + 4))
+    for _ in range(60):                        # rank 1 catches up, one late event a step
+        d += step(catch_up=2)
+    assert not held
+    plans = [x.plan["microbatches"] for x in d if x.strategy == "rebalance_microbatches"]
+    assert plans and all(p[1] < p[0] for p in plans), [x.reason for x in d]
