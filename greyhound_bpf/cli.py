@@ -217,11 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_attach(args) -> int:
-    from .session import AttachOptions, AttachSession
-    from .tracer import DEFAULT_RINGBUF_PAGES
+    from .attach import AttachOptions, AttachSession
+    from .probe.tracer import DEFAULT_RINGBUF_PAGES
     if args.ebpf:
-        from .tracer import Tracer
-        from .catalog import load_catalog
+        from .probe.tracer import Tracer
+        from .probe.catalog import load_catalog
         t = Tracer(load_catalog(), args.ringbuf_pages or DEFAULT_RINGBUF_PAGES)
         print(f"// cflags: {' '.join(t.cflags())}")
         print(open(t.source_path()).read())
@@ -243,7 +243,7 @@ def cmd_attach(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .events import JsonLinesWriter
+    from .output.jsonl import JsonLinesWriter
     from .replay import replay
     events = replay(args.file, threshold=args.threshold, min_probability=args.min_probability)
     out = JsonLinesWriter(args.json)
@@ -305,38 +305,40 @@ def cmd_inject(args) -> int:
 def cmd_validate(args) -> int:
     import os
     from rich.console import Console
-    from . import validate
-    from .events import JsonLinesWriter, make_event
+    from .diagnosis import host, rules, validator
+    from .events import make_event
+    from .output.jsonl import JsonLinesWriter
+    from .output.validation import render as render_validation
     if bool(args.pids) == (args.world is not None):
         raise GreyhoundError("give either PIDs of a running job or --world N")
     if args.world is not None:
         if args.world < 2:
             raise GreyhoundError("--world must be at least 2 (links need two ends)")
-        members = validate.precheck_members(args.world)
+        members = validator.precheck_members(args.world)
         job = f"precheck-{args.world}"
     else:
         if os.geteuid() != 0:
             raise GreyhoundError("validate PID needs root (it enters the ranks' namespaces "
                                  "and cgroups and pauses them): run it with sudo", exit_code=1)
-        members = validate.members_for_job(args.pids)
-        st = validate.read_stat(args.pids[0])
+        members = validator.members_for_job(args.pids)
+        st = host.read_stat(args.pids[0])
         job = f"{st.comm if st else 'job'}-{args.pids[0]}"
     err = Console(stderr=True)
     # Checking the interpreter imports torch, as the workers do: load on the
     # host that a tracer there must not blame on the job.
-    with validate.Busy("check"):
-        validate.check_python(args.python)
-    v = validate.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
+    with host.Busy("check"):
+        validator.check_python(args.python)
+    v = validator.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
                            start_timeout_s=args.timeout, python=args.python,
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",
                                                           highlight=False))
-    fields = validate.decide(v.run())
+    fields = rules.decide(v.run())
     if args.json:
         out = JsonLinesWriter(args.json)
         out.write(make_event("diagnosis", job, **fields))
         out.close()
     if args.json != "-":
-        Console().print(validate.render(fields))
+        Console().print(render_validation(fields))
     if fields["cause"] != "unknown":
         return 3
     return 0 if fields["details"]["devices"] else 1
@@ -344,7 +346,7 @@ def cmd_validate(args) -> int:
 
 def cmd_check(args) -> int:
     from rich.console import Console
-    from .check import exit_code, render, run_checks
+    from .probe.check import exit_code, render, run_checks
     rows = run_checks(pid=args.pid, try_load=not args.no_load)
     Console().print(render(rows))
     code = exit_code(rows)

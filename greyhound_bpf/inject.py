@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from . import GreyhoundError
+from .probe.discovery import threads_of
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 STATE_DIR = Path(os.environ.get("GREYHOUND_STATE_DIR", "/run/greyhound/inject"))
@@ -33,13 +34,6 @@ GROUP_PREFIX = "greyhound-"
 # throttling evenly over every iteration, like a lowered clock.
 PERIOD_US = 2_000
 MIN_QUOTA_US = 1_000
-
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 class CpuQuota:
@@ -73,7 +67,7 @@ class CpuQuota:
         (self.group / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US,
                                                                int(self.quota * period))))
         # Every thread: in cgroup v1 a thread moves on its own.
-        for tid in _threads(self.pid):
+        for tid in threads_of(self.pid):
             try:
                 (self.group / "tasks").write_text(str(tid))
             except OSError:

@@ -14,9 +14,9 @@ from typing import Iterator
 import numpy as np
 
 from . import GreyhoundError
-from .catalog import Catalog, load_catalog
+from .probe.catalog import Catalog, load_catalog
 from .events import make_event
-from .pipeline import JobPipeline
+from .engine.pipeline import JobPipeline
 
 # Calls per feed: about what one 100 ms tracer batch holds for a small job,
 # so ranks interleave as they do live.

@@ -35,7 +35,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from .pipeline import resplit
+from .resplit import resplit
 from .rebalance import RebalanceError, even_split, greedy_makespan, solve
 
 RESTART_ESTIMATE_S = 60.0

@@ -133,7 +133,7 @@ def quiet_before_injecting(headless: bool, longest_s: float = 30.0) -> None:
     """Wait until no validation has run on this machine for QUIET_S: the
     tracer validates a healthy job's noise slowdowns too, and a fault injected
     while that runs would be judged on iterations our own benchmark slowed."""
-    from greyhound_bpf.validate import busy_since
+    from greyhound_bpf.diagnosis.host import busy_since
     deadline, quiet_since = time.monotonic() + longest_s, time.monotonic()
     told = False
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from greyhound_bpf.discovery import all_stats, descendants, is_launcher, rank_identity  # noqa: E402,E501
+from greyhound_bpf.probe.discovery import all_stats, descendants, is_launcher, rank_identity  # noqa: E402,E501
 
 BIN = Path(sys.executable).parent
 # A compute-bound job: large micro-batches of a small model, so that the

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from greyhound_bpf.discovery import all_stats, descendants, rank_identity  # noqa: E402
+from greyhound_bpf.probe.discovery import all_stats, descendants  # noqa: E402
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 

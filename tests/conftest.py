@@ -107,7 +107,7 @@ def free_port() -> int:
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     """Kill a process and every descendant. torchrun puts each worker in a
     session of its own, so killing the launcher's process group is not enough."""
-    from greyhound_bpf.discovery import all_stats, descendants
+    from greyhound_bpf.probe.discovery import all_stats, descendants
     tree = descendants([proc.pid], all_stats())
     for pid in tree:
         try:
@@ -175,7 +175,7 @@ class Tracer:
         # noise slowdown) slows the job down a moment later, and its
         # slowdown is reported only once detected: wait until none has run
         # for QUIET_S, then until no job slowdown is in progress.
-        from greyhound_bpf.validate import busy_since
+        from greyhound_bpf.diagnosis.host import busy_since
         quiet = [time.monotonic()]
 
         def settled():

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from greyhound_bpf import catalog as catalog_mod
-from greyhound_bpf.records import CALL_DTYPE, GH_MAX_ARGS, GhCall, GhFnSpec
-from greyhound_bpf.catalog import probes_dir
+from greyhound_bpf.probe import catalog as catalog_mod
+from greyhound_bpf.probe.records import CALL_DTYPE, GH_MAX_ARGS, GhCall, GhFnSpec
+from greyhound_bpf.probe.catalog import probes_dir
 
 PROGRAM = r"""
 #include <stdio.h>

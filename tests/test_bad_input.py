@@ -87,8 +87,8 @@ def test_ringbuf_pages_must_be_a_power_of_two():
     p = subprocess.Popen([sys.executable, "-c", "import torch, time; time.sleep(60)"])
     try:
         from conftest import wait_for
-        from greyhound_bpf.catalog import load_catalog
-        from greyhound_bpf.discovery import mapped_libraries
+        from greyhound_bpf.probe.catalog import load_catalog
+        from greyhound_bpf.probe.discovery import mapped_libraries
         wait_for(lambda: mapped_libraries(p.pid, load_catalog()), 30, "torch to load")
         one_line_error(run("attach", str(p.pid), "--ringbuf-pages", "3"), 2, "power of two")
     finally:
@@ -99,7 +99,7 @@ def test_ringbuf_pages_must_be_a_power_of_two():
 def test_bcc_missing_points_to_check(monkeypatch):
     """A broken BCC install is an environment error that names the fix."""
     from greyhound_bpf import GreyhoundError
-    from greyhound_bpf.tracer import import_bcc
+    from greyhound_bpf.probe.tracer import import_bcc
     monkeypatch.setitem(sys.modules, "bcc", None)
     with pytest.raises(GreyhoundError) as e:
         import_bcc()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from greyhound_bpf.catalog import CatalogError, load_catalog
+from greyhound_bpf.probe.catalog import CatalogError, load_catalog
 
 CAT = load_catalog()
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import nccl_lib, run_cli
-from greyhound_bpf.check import FAIL, OK, Row, check_headers, exit_code, render
+from greyhound_bpf.probe.check import FAIL, OK, Row, check_headers, exit_code, render
 
 
 def run(*args, user=None):

@@ -112,5 +112,5 @@ def _slow_before(job, t, slow, inject_ns) -> bool:
 
 
 def _ranks(pid):
-    from greyhound_bpf.discovery import all_stats, descendants, rank_identity
+    from greyhound_bpf.probe.discovery import all_stats, descendants, rank_identity
     return [(p, rank_identity(p)[0]) for p in descendants([pid], all_stats()) if p != pid]

@@ -3,7 +3,7 @@ one rank computing slower (the others wait for it), every rank's
 collectives slower, and changes that fit neither."""
 import random
 
-from greyhound_bpf.diagnosis import PassiveDiagnoser
+from greyhound_bpf.diagnosis.passive import PassiveDiagnoser
 
 STEP = 3 * 10**8          # ns per iteration: 10 iterations outlast min_lasted_s (2 s)
 
@@ -79,9 +79,8 @@ def test_waits_for_enough_iterations_and_says_once():
 
 def topology_with(records):
     import numpy as np
-    from greyhound_bpf.catalog import load_catalog
-    from greyhound_bpf.topology import Topology
-    from test_topology import rec
+    from greyhound_bpf.probe.catalog import load_catalog
+    from greyhound_bpf.engine.topology import Topology
     t = Topology(load_catalog())
     t.feed(np.concatenate(records), {100 + r: r for r in range(4)})
     t.changed()
@@ -89,7 +88,7 @@ def topology_with(records):
 
 
 def test_communication_names_the_communicator():
-    from greyhound_bpf.topology import GLOO_PATTERN_CALLS
+    from greyhound_bpf.engine.topology import GLOO_PATTERN_CALLS
     from test_topology import rec
     topo = topology_with([rec(100 + r, "gloo::allreduce", count=64, elem_size=4)
                           for r in range(4) for _ in range(GLOO_PATTERN_CALLS)])

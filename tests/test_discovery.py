@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from conftest import nccl_lib, wait_for
-from greyhound_bpf.catalog import load_catalog
-from greyhound_bpf.discovery import (Discovery, all_stats, descendants, mapped_libraries,
+from greyhound_bpf.probe.catalog import load_catalog
+from greyhound_bpf.probe.discovery import (Discovery, all_stats, descendants, mapped_libraries,
                                      rank_identity, read_stat)
 
 CAT = load_catalog()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from bocd_reference import ReferenceBOCD, reference_changepoints
-from greyhound_bpf import _kernels
-from greyhound_bpf.datasets import call_stream, iteration_series, precision_recall
+from greyhound_bpf.engine import _kernels
+from greyhound_bpf.engine.datasets import call_stream, iteration_series, precision_recall
 from greyhound_bpf.engine import (BOCD, IterationEstimator, IterationRecord, PatternChange,
                                   SlowdownDetector, changepoints, default_prior)
 

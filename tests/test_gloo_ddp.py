@@ -88,5 +88,5 @@ def test_ranks_that_start_after_the_attach(ddp_job, tracer):
 
 
 def _children(pid: int) -> list[int]:
-    from greyhound_bpf.discovery import all_stats, descendants
+    from greyhound_bpf.probe.discovery import all_stats, descendants
     return [p for p in descendants([pid], all_stats()) if p != pid]

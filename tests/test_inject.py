@@ -3,7 +3,6 @@ runs and nothing is left after --for, SIGTERM or Ctrl-C; --undo-all cleans
 up after a SIGKILLed inject."""
 import signal
 import subprocess
-import time
 import uuid
 
 import pytest

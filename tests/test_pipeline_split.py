@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mitigation.pipeline import ResplitError, remap_link, resplit
+from mitigation.resplit import ResplitError, remap_link, resplit
 from mitigation.rebalance import solve
 
 

@@ -2,9 +2,9 @@
 80 columns, with untrusted process names sanitised."""
 import numpy as np
 
-from greyhound_bpf.catalog import load_catalog
-from greyhound_bpf.records import CALL_DTYPE
-from greyhound_bpf.summary import CallStats, safe
+from greyhound_bpf.probe.catalog import load_catalog
+from greyhound_bpf.probe.records import CALL_DTYPE
+from greyhound_bpf.output.summary import CallStats, safe
 
 CAT = load_catalog()
 AR = CAT.by_name["gloo::allreduce"].fid

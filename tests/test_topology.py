@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from conftest import wait_for
-from greyhound_bpf.catalog import FIELD_SLOT0, load_catalog
-from greyhound_bpf.records import CALL_DTYPE
-from greyhound_bpf.topology import GLOO_PATTERN_CALLS, Topology
+from greyhound_bpf.probe.catalog import FIELD_SLOT0, load_catalog
+from greyhound_bpf.probe.records import CALL_DTYPE
+from greyhound_bpf.engine.topology import GLOO_PATTERN_CALLS, Topology
 
 CAT = load_catalog()
 

@@ -6,13 +6,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 from rich.console import Console
 
 from conftest import ROOT, read_events, wait_for
-from greyhound_bpf.tui import RankRow, Snapshot, TuiState, render, sparkline
+from greyhound_bpf.output.tui import RankRow, Snapshot, TuiState, render, sparkline
 
 
 def draw(snap, width=80):

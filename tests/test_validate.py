@@ -1,17 +1,16 @@
-"""Validation benchmarks (greyhound_bpf.validate): the round schedule and the
+"""Validation benchmarks (greyhound_bpf.diagnosis): the round schedule and the
 decision rule on fixed numbers, then real workers: a pre-check on this host,
 a CPU-quota straggler and a tbf-limited link in a running gloo job, each
 named by measurement; nothing is left running and the job goes on."""
-import json
 import subprocess
 import time
 
 import pytest
 
-from conftest import GREYHOUND, ROOT, read_events, run_cli, wait_for
-from greyhound_bpf.discovery import all_stats
+from conftest import read_events, run_cli, wait_for
+from greyhound_bpf.probe.discovery import all_stats
 from greyhound_bpf.inject import CpuQuota, LinkRate
-from greyhound_bpf.validate import Result, decide, ring_edges, schedule
+from greyhound_bpf.diagnosis.rules import Result, decide, ring_edges, schedule
 from netbed import NetBed
 
 
@@ -94,7 +93,7 @@ def test_nothing_measured_says_what_was_not_tested():
 
 def workers_left() -> list[str]:
     return [s.comm for s in all_stats().values()
-            if "validate_worker" in " ".join(_cmdline(s.pid))]
+            if "diagnosis/worker.py" in " ".join(_cmdline(s.pid))]
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -136,7 +135,7 @@ def test_bad_input_is_one_line():
 def test_cpu_quota_straggler_is_measured(ddp_job, tmp_path):
     job = ddp_job(4, 0, go=False)
     wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
-    from greyhound_bpf.discovery import descendants, rank_identity
+    from greyhound_bpf.probe.discovery import descendants, rank_identity
     ranks = {rank_identity(p)[0]: p for p in descendants([job.proc.pid], all_stats())
              if rank_identity(p)[0] is not None}
     out = tmp_path / "v.jsonl"
@@ -160,7 +159,7 @@ def test_a_device_slow_only_for_a_moment_is_not_named(ddp_job):
     """Rank 2 under a CPU quota for the first pause only (a busy moment of a
     shared host, made real): its GEMM reads slow twice, the confirmation
     after the job has run again reads it healthy, and nothing is named."""
-    from greyhound_bpf import validate
+    from greyhound_bpf.diagnosis import validator as validate
     job = ddp_job(4, 0, go=False)
     wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
     members = validate.members_for_job([job.proc.pid])
@@ -212,7 +211,7 @@ def test_rate_limited_link_is_named(tmp_path):
 
 
 def test_edges_follow_the_communicator_map():
-    from greyhound_bpf.validate import edges_of
+    from greyhound_bpf.diagnosis.rules import edges_of
     topo = {"communicators": [{"ranks": [0, 1, 2, 3]}, {"ranks": [2, 0]}],
             "p2p_edges": [[1, 3]]}
     got = edges_of(topo, [0, 1, 2, 3])
@@ -222,7 +221,7 @@ def test_edges_follow_the_communicator_map():
 
 
 def test_one_validation_measures_at_a_time():
-    from greyhound_bpf.validate import MeasureLock
+    from greyhound_bpf.diagnosis.host import MeasureLock
     with MeasureLock() as first:
         assert first
         other = MeasureLock(timeout_s=0.3)
@@ -266,7 +265,7 @@ def test_five_healthy_minutes_with_three_validations(ddp_job, tracer, tmp_path):
 
 
 def test_busy_is_announced_while_it_lasts():
-    from greyhound_bpf.validate import Busy, busy_since
+    from greyhound_bpf.diagnosis.host import Busy, busy_since
     assert busy_since() is None
     with Busy("start"):
         since = busy_since()
@@ -280,7 +279,7 @@ def _state(pid: int) -> str:
 
 
 def test_pause_watchdog_resumes_the_job_even_if_we_never_do():
-    from greyhound_bpf.validate import Pause
+    from greyhound_bpf.diagnosis.host import Pause
     job = subprocess.Popen(["sleep", "60"])
     try:
         p = Pause([job.pid], max_s=1.0).__enter__()
@@ -295,7 +294,8 @@ def test_pause_watchdog_resumes_the_job_even_if_we_never_do():
 
 
 def test_workers_that_never_answer_time_out_and_are_killed(tmp_path):
-    from greyhound_bpf.validate import Member, Validator
+    from greyhound_bpf.diagnosis.host import Member
+    from greyhound_bpf.diagnosis.validator import Validator
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexec sleep 617\n")       # a worker that hangs at start
     fake.chmod(0o755)

@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from greyhound_bpf.datasets import call_stream, iteration_series  # noqa: E402
+from greyhound_bpf.engine.datasets import call_stream, iteration_series  # noqa: E402
 from greyhound_bpf.engine import IterationEstimator, IterationRecord, SlowdownDetector  # noqa: E402
 
 

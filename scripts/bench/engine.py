@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from bocd_reference import ReferenceBOCD, reference_changepoints  # noqa: E402
-from greyhound_bpf import _kernels  # noqa: E402
-from greyhound_bpf.catalog import load_catalog  # noqa: E402
-from greyhound_bpf.datasets import call_stream, iteration_series  # noqa: E402
+from greyhound_bpf.engine import _kernels  # noqa: E402
+from greyhound_bpf.probe.catalog import load_catalog  # noqa: E402
+from greyhound_bpf.engine.datasets import call_stream, iteration_series  # noqa: E402
 from greyhound_bpf.engine import BOCD, changepoints, default_prior  # noqa: E402
-from greyhound_bpf.pipeline import JobPipeline  # noqa: E402
+from greyhound_bpf.engine.pipeline import JobPipeline  # noqa: E402
 
 
 def best_of(fn, repeat=5):

@@ -32,9 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from greyhound_bpf.catalog import Catalog, Family, FunctionSpec  # noqa: E402
-from greyhound_bpf.discovery import MappedLib, Target  # noqa: E402
-from greyhound_bpf.tracer import Tracer  # noqa: E402
+from greyhound_bpf.probe.catalog import Catalog, Family, FunctionSpec  # noqa: E402
+from greyhound_bpf.probe.discovery import MappedLib, Target  # noqa: E402
+from greyhound_bpf.probe.tracer import Tracer  # noqa: E402
 
 
 def build_ghbench(out: Path) -> Path:
@@ -183,7 +183,7 @@ def ddp_run(tmp: Path, traced: bool, steps: int, warmup: int) -> float:
 
 
 def _ps_children(pid: int) -> list[int]:
-    from greyhound_bpf.discovery import all_stats, descendants
+    from greyhound_bpf.probe.discovery import all_stats, descendants
     return [p for p in descendants([pid], all_stats()) if p != pid]
 
 

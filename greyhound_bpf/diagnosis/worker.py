@@ -1,5 +1,5 @@
 """One validation worker: runs where a rank runs and benchmarks its device and
-its links on the controller's command (`greyhound_bpf.validate`).
+its links on the controller's command (`greyhound_bpf.diagnosis.validator`).
 
 The controller starts it inside the rank's network namespace (nsenter),
 moves it into the rank's cgroups and CPU affinity, and then talks to it in

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .catalog import FIELD_SLOT0, Catalog
+from ..probe.catalog import FIELD_SLOT0, Catalog
 
 GLOO_PATTERN_CALLS = 32      # collectives per process before its pattern counts
 

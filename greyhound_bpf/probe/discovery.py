@@ -129,6 +129,14 @@ def mapped_libraries(pid: int, catalog: Catalog) -> dict[str, MappedLib]:
     return found
 
 
+def threads_of(pid: int) -> list[int]:
+    """The thread ids of a process (empty once it has exited)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
 def read_environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from . import GreyhoundError
+from .. import GreyhoundError
 
 
 class Metrics:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import GreyhoundError
+from .. import GreyhoundError
 from .catalog import Catalog, FunctionSpec, probes_dir
 from .discovery import MappedLib, Target
 from .records import CALL_DTYPE, GhFnSpec

@@ -104,7 +104,7 @@ class TuiState:
 
 
 def describe(kind: str, ev: dict) -> str | None:
-    from .session import describe_engine_event
+    from .text import describe_engine_event
     if kind in ("slowdown", "recovery", "action", "applied", "diagnosis", "topology"):
         return describe_engine_event(kind, ev)
     if kind == "lost":

@@ -20,12 +20,15 @@ from typing import Callable, TextIO
 import numpy as np
 
 from . import GreyhoundError
-from .catalog import Catalog, load_catalog
-from .discovery import Discovery, Target, read_stat
-from .events import JsonLinesWriter, make_event
-from .pipeline import JobPipeline
-from .summary import CallStats, safe
-from .tracer import DEFAULT_RINGBUF_PAGES, Tracer
+from .probe.catalog import Catalog, load_catalog
+from .probe.discovery import Discovery, Target, read_stat
+from .events import make_event
+from .output.jsonl import JsonLinesWriter
+from .output.text import describe_engine_event
+from .engine.pipeline import JobPipeline
+from .output.summary import CallStats, safe
+from .probe.check import has_bpf_privileges
+from .probe.tracer import DEFAULT_RINGBUF_PAGES, Tracer
 
 # How often the process tree is rescanned for new or exited ranks. Ranks that
 # start later are probed within this delay plus the attach time; each scan
@@ -72,64 +75,6 @@ class AttachOptions:
     pause_max_s: float = 5.0
 
 
-def has_bpf_privileges() -> bool:
-    if os.geteuid() == 0:
-        return True
-    # CAP_SYS_ADMIN (21), CAP_PERFMON (38) and CAP_BPF (39) together suffice.
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("CapEff:"):
-                    caps = int(line.split()[1], 16)
-                    return all(caps >> bit & 1 for bit in (21, 38, 39))
-    except OSError:
-        pass
-    return False
-
-
-def describe_engine_event(kind: str, f: dict) -> str:
-    """One line for the text output."""
-    who = "job" if f.get("scope") == "job" else f"rank {f.get('rank')}"
-    if kind in ("slowdown", "recovery"):
-        return (f"{kind.upper()} {who} from iteration {f['index']}: {f['before_ms']:.1f} -> "
-                f"{f['after_ms']:.1f} ms (x{f['ratio']:.2f}, p={f['probability']:.2f})")
-    if kind == "action":
-        if f.get("phase") == "outcome":
-            return (f"OUTCOME plan {f['seq']}: {f['achieved_ms']:.1f} ms per iteration "
-                    f"(expected {f['expected_ms']:.1f})")
-        head = "PLAN" if f.get("seq") is not None else "ADVICE"
-        plan = f" {f['plan']}" if f.get("plan") else ""
-        seq = f" {f['seq']}" if f.get("seq") is not None else ""
-        exp = f", expected {f['expected_ms']:.1f} ms" if f.get("expected_ms") else ""
-        return f"{head}{seq} {f['strategy']}{plan}: {f['reason']}{exp}"
-    if kind == "diagnosis":
-        who = f" rank(s) {f['ranks']}" if f.get("ranks") and f["cause"] == "computation" else ""
-        if f.get("link"):
-            who = f" link {f['link']}"
-        return f"DIAGNOSIS ({f['evidence']}) {f['cause']}{who}: {f['reason']}"
-    if kind == "topology":
-        parts = [f"{c['name']} ranks {_span(c['ranks'])} ({c['source']}"
-                 + (f", from {c['parent']}" if c.get("parent") else "")
-                 + (", FAILED" if c["state"] == "failed" else "") + ")"
-                 for c in f["communicators"]]
-        edges = ", ".join(f"{a}<->{b}" for a, b in f["p2p_edges"])
-        return "TOPOLOGY " + "; ".join(parts) + (f"; p2p edges {edges}" if edges else "")
-    if kind == "applied":
-        return f"APPLIED plan {f['seq']} by ranks {f['ranks']} after {f['after_ms']:.0f} ms"
-    if kind == "pattern":
-        prev = "" if f["previous"] is None else f" (was {f['previous']})"
-        return (f"pattern rank {f['rank']}: {f['period_calls']} calls per iteration{prev}"
-                + (", split at long host gaps" if f["gap_classes"] else ""))
-    return f"{kind} {f}"
-
-
-def _span(ranks: list[int]) -> str:
-    """[0, 1, 2, 3] -> '0-3'; anything else as a list."""
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
-
-
 class AttachSession:
     def __init__(self, opts: AttachOptions, catalog: Catalog | None = None,
                  text_out: TextIO | None = None, err: TextIO | None = None):
@@ -162,8 +107,8 @@ class AttachSession:
             except PlanError as e:
                 raise GreyhoundError(f"--control-file: {e}") from None
         from mitigation.policy import SkiRentalPolicy
-        from .diagnosis import PassiveDiagnoser
-        from .topology import Topology
+        from .diagnosis.passive import PassiveDiagnoser
+        from .engine.topology import Topology
         self.topology = Topology(self.catalog)
         self.diagnoser = PassiveDiagnoser(topology=self.topology)
         self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
@@ -233,7 +178,7 @@ class AttachSession:
         t0 = time.monotonic()
         try:
             if self.opts.metrics_port is not None:
-                from .metrics import Metrics
+                from .output.metrics import Metrics
                 self.metrics = Metrics(self.opts.metrics_port, self.opts.metrics_addr)
                 self.sinks.append(self.metrics)
                 self.say(f"metrics on http://{self.opts.metrics_addr}:{self.metrics.port}/metrics")
@@ -297,7 +242,7 @@ class AttachSession:
                     self.tell(describe_engine_event("topology", ev))
             self._collect_validation()
             if self.live is not None and now >= next_view:
-                from .tui import render
+                from .output.tui import render
                 self.live.update(render(self._snapshot(now - t0)), refresh=True)
                 next_view = now + VIEW_S
             if (next_summary and now >= next_summary and not self.stop_reason
@@ -405,7 +350,7 @@ class AttachSession:
                 self._start_validation(fields["index"])
 
     def _members(self):
-        from . import validate
+        from .diagnosis import host as validate
         if not hasattr(self, "_gpus"):
             self._gpus = validate.gpu_count()
         return [validate.member_of(t.pid, t.rank, t.local_rank, self._gpus)
@@ -416,7 +361,7 @@ class AttachSession:
     def _note_busy(self) -> None:
         """Windows of validation activity on this machine (ours or another
         greyhound's), for the passive diagnosis."""
-        from .validate import busy_since
+        from .diagnosis.host import busy_since
         since, w = busy_since(), self.diagnoser.busy
         if since is not None and not (w and w[-1][1] is None):
             w.append([since, None])
@@ -426,7 +371,7 @@ class AttachSession:
 
     def _validation_service(self):
         if self.validator is None:
-            from .validate import Service
+            from .diagnosis.validator import Service
             self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
                                      self.opts.pause_max_s, self.pipeline.pauses)
         return self.validator
@@ -449,7 +394,7 @@ class AttachSession:
         if len(members) < 2:
             return
         self.validator.keep(members)
-        from .validate import edges_of
+        from .diagnosis.rules import edges_of
         edges = edges_of(self.topology.fields(), [m.rank for m in members])
         if self.validator.request(index, edges):
             self.say(f"validating {len(members)} ranks' devices and links (slowdown at "
@@ -477,7 +422,7 @@ class AttachSession:
     def _start_tui(self) -> None:
         from rich.console import Console
         from rich.live import Live
-        from .tui import TuiState, render
+        from .output.tui import TuiState, render
         self.tui_state = TuiState()
         self.sinks.append(self.tui_state)
         console = Console(file=self.text_out)
@@ -487,7 +432,7 @@ class AttachSession:
         self.live.start()
 
     def _snapshot(self, elapsed: float, width: int | None = None):
-        from .tui import RankRow, Snapshot
+        from .output.tui import RankRow, Snapshot
         now = time.monotonic()
         rows = []
         stragglers = self.tui_state.stragglers

@@ -43,6 +43,21 @@ def kernel_config() -> dict[str, str] | None:
     return None
 
 
+def has_bpf_privileges() -> bool:
+    if os.geteuid() == 0:
+        return True
+    # CAP_SYS_ADMIN (21), CAP_PERFMON (38) and CAP_BPF (39) together suffice.
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+                    return all(caps >> bit & 1 for bit in (21, 38, 39))
+    except OSError:
+        pass
+    return False
+
+
 def check_kernel() -> list[Row]:
     cfg = kernel_config()
     rows = []
@@ -102,7 +117,6 @@ def check_bcc() -> Row:
 
 
 def check_privileges() -> Row:
-    from .session import has_bpf_privileges
     if has_bpf_privileges():
         return Row("privileges", OK, "root" if os.geteuid() == 0 else "CAP_BPF+CAP_PERFMON+CAP_SYS_ADMIN")
     return Row("privileges", FAIL, f"uid {os.geteuid()} without CAP_BPF/CAP_PERFMON/CAP_SYS_ADMIN",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .catalog import Catalog
+from ..probe.catalog import Catalog
 
 
 def safe(text: str, width: int | None = None) -> str:

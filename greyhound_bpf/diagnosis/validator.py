@@ -1,4 +1,4 @@
-"""Validation benchmarks: measure each device and each link, and name the slow one.
+"""Validation benchmarks: measure each device and each link where each rank runs.
 
 Passive evidence says *that* a rank waits or a collective got slower; it
 cannot always say whether a device or which link is to blame (NCCL calls are
@@ -26,57 +26,26 @@ short pause after the job has run CONFIRM_AFTER_S; it keeps its best time.
 Every wait has a deadline; workers are killed on every exit path and
 whatever could not be measured is reported as such.
 
-Decision (`decide`): the reference is the *lower* median of the measured
-values, so that with two devices the faster one is the reference and one
-slow device among four cannot drag the reference up; its spread is the
-median absolute deviation, floored at 5% of the reference (identical
-devices differ by a few percent, and a MAD of 0 would flag noise).
-
-- a device is slow when its GEMM takes >= SLOW_RATIO (1.5x) the reference
-  *and* is >= ROBUST_Z (4) spreads above it. FALCON uses 2x for "comp",
-  which misses GPUs throttled to 60% of their clock, a common thermal
-  failure; 1.5x is far above the few percent that healthy identical devices
-  differ by (the healthy runs in tests/test_validate measure that);
-- a rank's *link* is slow when even its fastest edge's round trip is
-  >= LINK_SLOW_RATIO (2x) the reference and ROBUST_Z spreads above it: a
-  rank's own NIC or veth bounds every edge it is on, and any other rank has
-  at least one fast edge left. Links get 2x, not 1.5x, because the speed a
-  host measures on a link also depends on the CPU that moves the bytes
-  (TCP stack, copies): CPU contention alone makes edges of a healthy
-  2-core host differ by up to ~1.5x (seen in tests/test_validate's
-  pre-check), while the link failures of the field (a lane down, a
-  renegotiated speed, a rate limit, a congested path) cost 2x or more.
-  FALCON's 1.1x for "comm" flags noise on any shared host;
-- otherwise an *edge* is slow when it alone is >= EDGE_SLOW_RATIO (3x): a
-  slow path between two hosts, not either host's link. One edge is weaker
-  evidence than every edge of a rank: on a busy 2-core host an edge
-  measured twice read 2.0x in a healthy run;
-- no rule fires: ``unknown`` (healthy), with every number in `details`.
+The decision rules are pure and live in greyhound_bpf.diagnosis.rules;
+the host plumbing (pause, lock, cgroups) in greyhound_bpf.diagnosis.host.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import select
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import GreyhoundError
-from .discovery import read_environ, read_stat
-from .inject import _threads
+from .. import GreyhoundError
+from ..probe.discovery import read_stat, threads_of
+from .host import (PASS_ENV, PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, cgroups_of, gpu_count,
+                   member_of)
+from .rules import Result, decide, link_name, link_suspects, outliers, ring_edges, schedule
 
-SLOW_RATIO = 1.5             # devices
-LINK_SLOW_RATIO = 2.0        # a rank's link (every edge of the rank)
-EDGE_SLOW_RATIO = 3.0        # one edge alone
-ROBUST_Z = 4.0
-MAD_FLOOR = 0.05
 P2P_BYTES = 4 << 20
 P2P_BYTES_GPU = 64 << 20     # NVLink/InfiniBand: launch overhead would dominate 4 MiB
 GEMM_SECONDS = 0.4           # per device and pass; CPU GEMMs run one after another
@@ -88,279 +57,6 @@ P2P_SECONDS = 0.2            # per edge
 CONFIRM_AFTER_S = 3.0
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
 STEP_TIMEOUT_S = 15.0        # one benchmark command
-PAUSE_MAX_S = 5.0
-# Variables of the rank that a worker must share to use the same network
-# path and device.
-PASS_ENV = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
-            "CUDA_VISIBLE_DEVICES", "TP_SOCKET_IFNAME")
-
-
-@dataclass
-class Member:
-    """Where one rank runs: what its worker copies."""
-    rank: int
-    pid: int | None = None              # None in pre-check mode
-    device: str = "cpu"
-    netns: str | None = None            # /proc/PID/ns/net when not ours
-    cgroups: list[Path] = field(default_factory=list)   # cgroup.procs files
-    affinity: set[int] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def gpu_count() -> int:
-    """NVIDIA GPUs on this machine; 0 without a driver (never an error)."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _cgroup_key(ctrls) -> str:
-    """A hierarchy's name: its sorted v1 controllers ('cpu,cpuacct'), its
-    name= for a named v1 hierarchy, or '' for the v2 unified one."""
-    names = [c for c in ctrls if c.startswith("name=")]
-    return names[0] if names else ",".join(sorted(c for c in ctrls if c))
-
-
-def _cgroup_mounts() -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return out
-    for ln in lines:
-        left, _, right = ln.partition(" - ")
-        fstype, _src, opts = (right.split() + ["", "", ""])[:3]
-        mnt = Path(left.split()[4])
-        if fstype == "cgroup2":
-            out.setdefault("", mnt)
-        elif fstype == "cgroup":
-            known = {"rw", "ro", "nosuid", "nodev", "noexec", "relatime", "clone_children"}
-            key = _cgroup_key([o for o in opts.split(",") if o not in known
-                               and (o.startswith("name=") or "=" not in o)])
-            if key:
-                out.setdefault(key, mnt)
-    return out
-
-
-def cgroups_of(pid: int) -> list[Path]:
-    """The cgroup.procs files of every hierarchy `pid` is in (v1 and v2)."""
-    mounts = _cgroup_mounts()
-    files = []
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return files
-    for ln in lines:
-        _hid, ctrls, path = ln.split(":", 2)
-        mnt = mounts.get(_cgroup_key(ctrls.split(",")))
-        if mnt is None:
-            continue
-        f = mnt / path.lstrip("/") / "cgroup.procs"
-        if f.exists():
-            files.append(f)
-    return files
-
-
-def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
-    env = read_environ(pid)
-    try:
-        theirs = os.readlink(f"/proc/{pid}/ns/net")
-        netns = f"/proc/{pid}/ns/net" if theirs != os.readlink("/proc/self/ns/net") else None
-    except OSError:
-        netns = None
-    try:
-        affinity = os.sched_getaffinity(pid)
-    except OSError:
-        affinity = None
-    # One GPU visible to the rank (Slurm, many launchers): it is cuda:0.
-    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    device = ("cuda:0" if len(visible) == 1 else f"cuda:{local_rank or 0}") if gpus else "cpu"
-    return Member(rank, pid, device, netns, cgroups_of(pid), affinity,
-                  {k: env[k] for k in PASS_ENV if k in env})
-
-
-def ring_edges(ranks: list[int]) -> list[tuple[int, int]]:
-    """Ring neighbours in the order given: a communicator's ranks in their
-    communicator-rank order (the order NCCL and gloo rings use by default)."""
-    r = list(ranks)
-    if len(r) < 2:
-        return []
-    if len(r) == 2:
-        return [(r[0], r[1])]
-    return [(r[i], r[(i + 1) % len(r)]) for i in range(len(r))]
-
-
-def schedule(edges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Rounds of disjoint pairs, each edge once (greedy edge colouring, in
-    order): a ring of even length takes 2 rounds, an odd one 3."""
-    rounds: list[list[tuple[int, int]]] = []
-    busy: list[set[int]] = []
-    seen = set()
-    for a, b in edges:
-        e = (min(a, b), max(a, b))
-        if a == b or e in seen:
-            continue
-        seen.add(e)
-        for i, used in enumerate(busy):
-            if a not in used and b not in used:
-                rounds[i].append(e)
-                used |= {a, b}
-                break
-        else:
-            rounds.append([e])
-            busy.append({a, b})
-    return rounds
-
-
-# -- the job's pause ------------------------------------------------------------
-
-class Pause:
-    """SIGSTOP the ranks; SIGCONT them on exit, and from a watchdog process
-    after `max_s` whatever happens to us (it runs in its own session)."""
-
-    def __init__(self, pids: list[int], max_s: float, windows: list | None = None):
-        self.pids, self.max_s = [p for p in pids if p], max_s
-        # [start, end) wall-clock ns (the clock of iteration events) appended
-        # to `windows`, end None while paused: a tracer skips the iterations
-        # they overlap.
-        self.windows = windows
-        self.window: list | None = None
-        self.watchdog: subprocess.Popen | None = None
-        self.t0 = 0.0
-        self.seconds = 0.0
-
-    def __enter__(self) -> "Pause":
-        if not self.pids:
-            return self
-        cont = " ".join(map(str, self.pids))
-        self.watchdog = subprocess.Popen(
-            ["sh", "-c", f"sleep {self.max_s:.3f}; kill -CONT {cont} 2>/dev/null"],
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.t0 = time.monotonic()
-        if self.windows is not None:
-            self.window = [time.time_ns(), None]
-            self.windows.append(self.window)
-        for p in self.pids:
-            try:
-                os.kill(p, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.pids:
-            return
-        for p in self.pids:
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        self.seconds = min(time.monotonic() - self.t0, self.max_s)
-        if self.window is not None:
-            self.window[1] = time.time_ns()
-        if self.watchdog and self.watchdog.poll() is None:
-            os.killpg(self.watchdog.pid, signal.SIGKILL)
-            self.watchdog.wait()
-
-
-class MeasureLock:
-    """One validation measures at a time on a machine: two would pause the
-    job on top of each other and measure each other's load. A file lock,
-    released by the kernel if we die."""
-
-    def __init__(self, timeout_s: float = 30.0):
-        self.timeout_s = timeout_s
-        self.fh = None
-        base = Path("/run/greyhound") if os.geteuid() == 0 else Path(tempfile.gettempdir())
-        self.path = base / ("validate.lock" if os.geteuid() == 0
-                            else f"greyhound-validate-{os.geteuid()}.lock")
-
-    def __enter__(self) -> bool:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fh = open(self.path, "a")
-        except OSError:
-            return True                     # no lock file possible: measure anyway
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.1)
-
-    def __exit__(self, *exc) -> None:
-        if self.fh:
-            self.fh.close()                 # releases the lock
-
-
-class Busy:
-    """Announces that validation workers are starting or measuring on this
-    machine: a file per activity, gone when it ends (a dead writer's file is
-    ignored). Both put load on the host (importing torch; a paused job;
-    GEMMs), so a tracer on this machine does not blame a job slowdown that
-    begins meanwhile on the job (`busy_since`)."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.path = None
-
-    @staticmethod
-    def directory() -> Path:
-        if os.geteuid() == 0:
-            return Path("/run/greyhound/validating")
-        return Path(tempfile.gettempdir()) / f"greyhound-validating-{os.geteuid()}"
-
-    def __enter__(self) -> "Busy":
-        try:
-            d = self.directory()
-            d.mkdir(parents=True, exist_ok=True)
-            self.path = d / f"{os.getpid()}-{id(self):x}.json"
-            self.path.write_text(json.dumps({"pid": os.getpid(), "since_ns": time.time_ns(),
-                                             "what": self.what}))
-        except OSError:
-            self.path = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.path is not None:
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
-
-
-def busy_since() -> int | None:
-    """Wall-clock ns since when validation has been busy on this machine, or
-    None when it is not."""
-    since = None
-    try:
-        files = list(Busy.directory().glob("*.json"))
-    except OSError:
-        return None
-    for f in files:
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if read_stat(int(doc.get("pid", 0))) is None:
-            try:
-                f.unlink()          # its writer was killed: nothing is busy
-            except OSError:
-                pass
-            continue
-        since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
-    return since
 
 
 # -- workers ------------------------------------------------------------------------
@@ -369,7 +65,7 @@ class WorkerError(Exception):
     pass
 
 
-WORKER_SCRIPT = str(Path(__file__).with_name("validate_worker.py"))
+WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
 
 
 def check_python(python: str) -> None:
@@ -415,7 +111,7 @@ class _Worker:
         the worker started). Not earlier: in a throttled rank's group the
         worker's start-up would share the quota with the busy rank and take
         minutes. Writing cgroup.procs moves every thread of the worker."""
-        for tid in _threads(self.proc.pid):
+        for tid in threads_of(self.proc.pid):
             try:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
             except OSError:
@@ -440,7 +136,7 @@ class _Worker:
     def idle(self) -> None:
         """Between measurements: out of the rank's groups, and SCHED_IDLE."""
         self.unplace()
-        for tid in _threads(self.proc.pid):
+        for tid in threads_of(self.proc.pid):
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except OSError:
@@ -506,19 +202,6 @@ class _Worker:
                 self.proc.kill()
                 self.proc.wait()
         self.err.close()
-
-
-@dataclass
-class Result:
-    devices: dict[int, dict] = field(default_factory=dict)     # rank -> gemm reply
-    links: dict[tuple[int, int], dict] = field(default_factory=dict)
-    rounds: list[list[tuple[int, int]]] = field(default_factory=list)
-    untested: list[str] = field(default_factory=list)
-    paused_s: float = 0.0               # the longest pause
-    pauses: int = 0                     # 2 when suspects were confirmed after a run
-    seconds: float = 0.0
-    measured_at_ns: int | None = None   # wall clock when measuring began
-
 
 class Validator:
     def __init__(self, members: list[Member], edges: list[tuple[int, int]] | None = None,
@@ -824,121 +507,12 @@ class Validator:
                     return None
         return out
 
-
-# -- decision ------------------------------------------------------------------------
-
-def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
-    """{key: value} (larger is slower) -> (reference, spread, {key: ratio} of the slow)."""
-    if not values:
-        return None, None, {}
-    vals = sorted(values.values())
-    ref = statistics.median_low(vals)
-    spread = max(statistics.median_low([abs(v - ref) for v in vals]), MAD_FLOOR * ref)
-    slow = {k: v / ref for k, v in values.items()
-            if ref > 0 and v >= ratio * ref and (v - ref) >= z * spread}
-    return ref, spread, slow
-
-
-def _rank_links(rtt: dict):
-    """A rank's link bounds each of its edges: its fastest edge is its link.
-    -> (reference, {rank: ratio} of the slow rank links)."""
-    best: dict[int, float] = {}
-    for (a, b), v in rtt.items():
-        for r in (a, b):
-            best[r] = min(best.get(r, v), v)
-    if len(best) < 3:
-        return None, {}
-    ref, _, slow = outliers(best, LINK_SLOW_RATIO)
-    return ref, slow
-
-
-def link_suspects(rtt: dict) -> set:
-    """Edges a link verdict would rest on: every edge of a slow rank link,
-    and every slow edge."""
-    _, ranks = _rank_links(rtt)
-    out = {e for e in rtt if set(e) & set(ranks)}
-    if len(rtt) >= 3:
-        out |= set(outliers(rtt, EDGE_SLOW_RATIO)[2])
-    return out
-
-
-def link_name(edge: tuple[int, int]) -> str:
-    return f"{edge[0]}<->{edge[1]}"
-
-
-def decide(res: Result) -> dict:
-    """A `diagnosis` event's fields from the measurements (evidence: validation)."""
-    gemm = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
-    rtt = {e: d["rtt_ms"] for e, d in res.links.items()}
-    details = {
-        "devices": {str(r): {k: (round(v, 4) if isinstance(v, float) else v)
-                             for k, v in d.items()} for r, d in sorted(res.devices.items())},
-        "links": {link_name(e): {k: round(v, 4) if isinstance(v, float) else v
-                                 for k, v in d.items()} for e, d in sorted(res.links.items())},
-        "rounds": [[link_name(e) for e in rnd] for rnd in res.rounds],
-        "untested": res.untested, "paused_s": round(res.paused_s, 3), "pauses": res.pauses,
-        "measured_at_ns": res.measured_at_ns,
-        "seconds": round(res.seconds, 3),
-        "thresholds": {"slow_ratio": SLOW_RATIO, "link_slow_ratio": LINK_SLOW_RATIO,
-                       "edge_slow_ratio": EDGE_SLOW_RATIO,
-                       "robust_z": ROBUST_Z, "mad_floor": MAD_FLOOR},
-    }
-    out = {"evidence": "validation", "details": details, "ranks": [], "link": None,
-           "communicator": None}
-    causes = []
-    ref, _, slow_dev = outliers(gemm) if len(gemm) >= 2 else (None, None, {})
-    if ref is not None:
-        details["gemm_reference_ms"] = round(ref, 4)
-    if slow_dev:
-        ranks = sorted(slow_dev)
-        causes.append(("computation", ranks, None,
-                       "GEMM " + ", ".join(f"rank {r} x{slow_dev[r]:.2f}" for r in ranks)
-                       + f" the reference ({ref:.2f} ms)"))
-    lref, slow_rank_link = _rank_links(rtt)
-    if lref is not None:
-        details["link_reference_ms"] = round(lref, 4)
-    if slow_rank_link:
-        ranks = sorted(slow_rank_link)
-        name = ", ".join(f"rank {r}" for r in ranks)
-        causes.append(("communication", ranks, name,
-                       f"every edge of {name} is slow (fastest x"
-                       + ", x".join(f"{slow_rank_link[r]:.2f}" for r in ranks)
-                       + f" the reference {lref:.2f} ms round trip): its own link"))
-    elif len(rtt) >= 3:
-        _, _, slow_edges = outliers(rtt, EDGE_SLOW_RATIO)
-        if slow_edges:
-            edges = sorted(slow_edges)
-            causes.append(("communication", sorted({r for e in edges for r in e}),
-                           ", ".join(map(link_name, edges)),
-                           "edge " + ", ".join(f"{link_name(e)} x{slow_edges[e]:.2f}"
-                                               for e in edges)
-                           + " the reference round trip; both ends' other edges are fast"))
-    if len(causes) == 1:
-        cause, ranks, link, reason = causes[0]
-        return {**out, "cause": cause, "ranks": ranks, "link": link, "reason": reason}
-    if len(causes) > 1:
-        return {**out, "cause": "unknown", "ranks": sorted({r for c in causes for r in c[1]}),
-                "link": next((c[2] for c in causes if c[2]), None),
-                "reason": "both a device and a link measure slow: " +
-                          "; ".join(c[3] for c in causes)}
-    what = []
-    if gemm:
-        what.append(f"{len(gemm)} device(s)")
-    if rtt:
-        what.append(f"{len(rtt)} link(s)")
-    reason = ("no slow device or link among " + " and ".join(what) if what
-              else "nothing could be measured")
-    if res.untested:
-        reason += f"; not tested: {'; '.join(res.untested)}"
-    return {**out, "cause": "unknown", "reason": reason}
-
-
 # -- front ends ---------------------------------------------------------------------
 
 def members_for_job(pids: list[int]) -> list[Member]:
     """Every rank under `pids` (ranks or launchers), as `attach` finds them."""
-    from .catalog import load_catalog
-    from .discovery import Discovery
+    from ..probe.catalog import load_catalog
+    from ..probe.discovery import Discovery
     for pid in pids:
         if read_stat(pid) is None:
             raise GreyhoundError(f"no process with PID {pid}")
@@ -951,18 +525,6 @@ def members_for_job(pids: list[int]) -> list[Member]:
     gpus = gpu_count()
     return [member_of(t.pid, t.rank, t.local_rank, gpus) for t in ranked]
 
-
-def edges_of(topology: dict | None, ranks: list[int]) -> list[tuple[int, int]]:
-    """Ring edges of every communicator of a `topology` event's map, and its
-    pipeline edges, among `ranks`; the ring of all ranks without a map."""
-    have = set(ranks)
-    edges: list[tuple[int, int]] = []
-    for c in (topology or {}).get("communicators", []):
-        edges += ring_edges([r for r in c["ranks"] if r in have])
-    edges += [(a, b) for a, b in (topology or {}).get("p2p_edges", []) if a in have and b in have]
-    return edges or ring_edges(sorted(ranks))
-
-
 def precheck_members(world: int) -> list[Member]:
     """`--world N` before a job starts: N workers on this host, one per GPU
     when there are GPUs."""
@@ -971,48 +533,6 @@ def precheck_members(world: int) -> list[Member]:
         raise GreyhoundError(f"--world {world} but this machine has {gpus} GPU(s)")
     return [Member(r, device=f"cuda:{r}" if gpus else "cpu",
                    env={"MASTER_ADDR": "127.0.0.1"}) for r in range(world)]
-
-
-def render(fields: dict):
-    """Tables per device and per link, with each verdict (rich renderables)."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-    d = fields["details"]
-    slow_ranks = set(fields["ranks"]) if fields["cause"] == "computation" else set()
-    links = set((fields["link"] or "").split(", "))
-    dev = Table(title="devices (GEMM)", title_justify="left")
-    for col in ("rank", "ms / GEMM", "GFLOP/s", "x ref", "verdict"):
-        dev.add_column(col, justify="right" if col != "verdict" else "left")
-    ref = d.get("gemm_reference_ms")
-    for r, g in d["devices"].items():
-        ratio = g["ms_per_gemm"] / ref if ref else None
-        dev.add_row(r, f"{g['ms_per_gemm']:.2f}", f"{g['gflops']:.1f}",
-                    "-" if ratio is None else f"{ratio:.2f}",
-                    "SLOW" if int(r) in slow_ranks else "ok")
-    lk = Table(title="links (p2p ping-pong, 4 MiB)", title_justify="left")
-    for col in ("link", "round trip ms", "Gbit/s", "latency us", "verdict"):
-        lk.add_column(col, justify="right" if col != "verdict" else "left")
-    for name, v in d["links"].items():
-        a, b = name.split("<->")
-        slow = (name in links or f"rank {a}" in links or f"rank {b}" in links) \
-            and fields["cause"] == "communication"
-        lk.add_row(name, f"{v['rtt_ms']:.2f}", f"{v['gbps']:.2f}", f"{v['lat_us']:.0f}",
-                   "SLOW" if slow else "ok")
-    parts = [dev]
-    if d["links"]:
-        parts.append(lk)
-    for u in d["untested"]:
-        parts.append(Text(f"not tested: {u}"))
-    verdict = fields["cause"]
-    if fields["cause"] != "unknown":
-        verdict += f" ({fields['link'] or 'rank ' + ', '.join(map(str, fields['ranks']))})"
-    parts.append(Text(f"verdict: {verdict}: {fields['reason']}"))
-    pauses = d.get("pauses", 1)
-    parts.append(Text(f"{d['seconds']:.1f} s in all; job paused {d['paused_s']:.2f} s"
-                      + (f" (the longest of {pauses} pauses)" if pauses > 1 else "")))
-    return Group(*parts)
-
 
 # -- a warm pool for a live job -----------------------------------------------------
 

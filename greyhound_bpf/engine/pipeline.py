@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .catalog import FIELD_SLOT0, Catalog
-from .engine import (ChangePoint, IterationEstimator, IterationRecord, PatternChange,
+from ..probe.catalog import FIELD_SLOT0, Catalog
+from . import (ChangePoint, IterationEstimator, IterationRecord, PatternChange,
                      SlowdownDetector)
 
 

@@ -1,0 +1,261 @@
+"""Where validation runs and how it touches the job: each rank's place
+(network namespace, cgroups, CPU affinity, device), the job's pause with a
+watchdog, one measurement at a time per machine, and the announcement that
+validation is busy. I/O, no decisions.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..probe.discovery import read_environ, read_stat
+
+# Longest the job may be paused by one validation (`--pause-max`): a
+# watchdog process resumes it then, even if the tracer is killed.
+PAUSE_MAX_S = 5.0
+# Variables of the rank that a worker must share to use the same network
+# path and device.
+PASS_ENV = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",
+            "CUDA_VISIBLE_DEVICES", "TP_SOCKET_IFNAME")
+
+
+@dataclass
+class Member:
+    """Where one rank runs: what its worker copies."""
+    rank: int
+    pid: int | None = None              # None in pre-check mode
+    device: str = "cpu"
+    netns: str | None = None            # /proc/PID/ns/net when not ours
+    cgroups: list[Path] = field(default_factory=list)   # cgroup.procs files
+    affinity: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine; 0 without a driver (never an error)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cgroup_key(ctrls) -> str:
+    """A hierarchy's name: its sorted v1 controllers ('cpu,cpuacct'), its
+    name= for a named v1 hierarchy, or '' for the v2 unified one."""
+    names = [c for c in ctrls if c.startswith("name=")]
+    return names[0] if names else ",".join(sorted(c for c in ctrls if c))
+
+
+def _cgroup_mounts() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return out
+    for ln in lines:
+        left, _, right = ln.partition(" - ")
+        fstype, _src, opts = (right.split() + ["", "", ""])[:3]
+        mnt = Path(left.split()[4])
+        if fstype == "cgroup2":
+            out.setdefault("", mnt)
+        elif fstype == "cgroup":
+            known = {"rw", "ro", "nosuid", "nodev", "noexec", "relatime", "clone_children"}
+            key = _cgroup_key([o for o in opts.split(",") if o not in known
+                               and (o.startswith("name=") or "=" not in o)])
+            if key:
+                out.setdefault(key, mnt)
+    return out
+
+
+def cgroups_of(pid: int) -> list[Path]:
+    """The cgroup.procs files of every hierarchy `pid` is in (v1 and v2)."""
+    mounts = _cgroup_mounts()
+    files = []
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return files
+    for ln in lines:
+        _hid, ctrls, path = ln.split(":", 2)
+        mnt = mounts.get(_cgroup_key(ctrls.split(",")))
+        if mnt is None:
+            continue
+        f = mnt / path.lstrip("/") / "cgroup.procs"
+        if f.exists():
+            files.append(f)
+    return files
+
+
+def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
+    env = read_environ(pid)
+    try:
+        theirs = os.readlink(f"/proc/{pid}/ns/net")
+        netns = f"/proc/{pid}/ns/net" if theirs != os.readlink("/proc/self/ns/net") else None
+    except OSError:
+        netns = None
+    try:
+        affinity = os.sched_getaffinity(pid)
+    except OSError:
+        affinity = None
+    # One GPU visible to the rank (Slurm, many launchers): it is cuda:0.
+    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    device = ("cuda:0" if len(visible) == 1 else f"cuda:{local_rank or 0}") if gpus else "cpu"
+    return Member(rank, pid, device, netns, cgroups_of(pid), affinity,
+                  {k: env[k] for k in PASS_ENV if k in env})
+
+
+# -- the job's pause ------------------------------------------------------------
+
+class Pause:
+    """SIGSTOP the ranks; SIGCONT them on exit, and from a watchdog process
+    after `max_s` whatever happens to us (it runs in its own session)."""
+
+    def __init__(self, pids: list[int], max_s: float, windows: list | None = None):
+        self.pids, self.max_s = [p for p in pids if p], max_s
+        # [start, end) wall-clock ns (the clock of iteration events) appended
+        # to `windows`, end None while paused: a tracer skips the iterations
+        # they overlap.
+        self.windows = windows
+        self.window: list | None = None
+        self.watchdog: subprocess.Popen | None = None
+        self.t0 = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Pause":
+        if not self.pids:
+            return self
+        cont = " ".join(map(str, self.pids))
+        self.watchdog = subprocess.Popen(
+            ["sh", "-c", f"sleep {self.max_s:.3f}; kill -CONT {cont} 2>/dev/null"],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.t0 = time.monotonic()
+        if self.windows is not None:
+            self.window = [time.time_ns(), None]
+            self.windows.append(self.window)
+        for p in self.pids:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.pids:
+            return
+        for p in self.pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.seconds = min(time.monotonic() - self.t0, self.max_s)
+        if self.window is not None:
+            self.window[1] = time.time_ns()
+        if self.watchdog and self.watchdog.poll() is None:
+            os.killpg(self.watchdog.pid, signal.SIGKILL)
+            self.watchdog.wait()
+
+
+class MeasureLock:
+    """One validation measures at a time on a machine: two would pause the
+    job on top of each other and measure each other's load. A file lock,
+    released by the kernel if we die."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        self.fh = None
+        base = Path("/run/greyhound") if os.geteuid() == 0 else Path(tempfile.gettempdir())
+        self.path = base / ("validate.lock" if os.geteuid() == 0
+                            else f"greyhound-validate-{os.geteuid()}.lock")
+
+    def __enter__(self) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fh = open(self.path, "a")
+        except OSError:
+            return True                     # no lock file possible: measure anyway
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        if self.fh:
+            self.fh.close()                 # releases the lock
+
+
+class Busy:
+    """Announces that validation workers are starting or measuring on this
+    machine: a file per activity, gone when it ends (a dead writer's file is
+    ignored). Both put load on the host (importing torch; a paused job;
+    GEMMs), so a tracer on this machine does not blame a job slowdown that
+    begins meanwhile on the job (`busy_since`)."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.path = None
+
+    @staticmethod
+    def directory() -> Path:
+        if os.geteuid() == 0:
+            return Path("/run/greyhound/validating")
+        return Path(tempfile.gettempdir()) / f"greyhound-validating-{os.geteuid()}"
+
+    def __enter__(self) -> "Busy":
+        try:
+            d = self.directory()
+            d.mkdir(parents=True, exist_ok=True)
+            self.path = d / f"{os.getpid()}-{id(self):x}.json"
+            self.path.write_text(json.dumps({"pid": os.getpid(), "since_ns": time.time_ns(),
+                                             "what": self.what}))
+        except OSError:
+            self.path = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+
+def busy_since() -> int | None:
+    """Wall-clock ns since when validation has been busy on this machine, or
+    None when it is not."""
+    since = None
+    try:
+        files = list(Busy.directory().glob("*.json"))
+    except OSError:
+        return None
+    for f in files:
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if read_stat(int(doc.get("pid", 0))) is None:
+            try:
+                f.unlink()          # its writer was killed: nothing is busy
+            except OSError:
+                pass
+            continue
+        since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
+    return since

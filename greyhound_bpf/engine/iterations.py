@@ -1,0 +1,346 @@
+"""Iterations from a rank's call sequence: the period of the call types by
+ACF, an anchor k-gram that marks where each iteration starts, and one
+`IterationRecord` per iteration (duration, time in blocking calls, compute).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _kernels
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    rank: int | None
+    index: int           # iteration number since the pattern was locked
+    start_ns: int        # end of the previous iteration's last call
+    dur_ns: int          # to the end of this iteration's last call
+    period_calls: int    # calls in this iteration
+    comm_ns: int         # time inside blocking calls (union over threads)
+    compute_ns: int      # dur_ns - comm_ns
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
+                "dur_ns": self.dur_ns, "period_calls": self.period_calls,
+                "comm_ns": self.comm_ns, "compute_ns": self.compute_ns}
+
+
+@dataclass(frozen=True)
+class PatternChange:
+    """The per-iteration call pattern was (re-)estimated."""
+    rank: int | None
+    period_calls: int
+    previous: int | None   # the period before, None the first time
+    reason: str            # "locked" (first estimate) or "changed"
+    at_ns: int
+    acf_peak: float        # adjusted ACF at the period
+    anchor_score: float    # share of iterations the anchor marks cleanly
+    gap_classes: bool      # whether long host gaps were needed to see the period
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "period_calls": self.period_calls, "previous": self.previous,
+                "reason": self.reason, "acf_peak": round(self.acf_peak, 4),
+                "anchor_score": round(self.anchor_score, 4), "gap_classes": self.gap_classes}
+
+
+class IterationEstimator:
+    """Finds iterations in one rank's call stream.
+
+    1. Period: the ACF of the call-type sequence (one-hot, so type ids are
+       nominal) over a sliding window; the period is the smallest lag whose
+       peak reaches ``peak_fraction`` of the highest one. When types alone do
+       not repeat (gloo DDP issues one all-reduce type), each call is also
+       tagged by whether it follows a long host gap, which marks the
+       iteration's compute phase.
+    2. Alignment: an anchor k-gram, the one whose occurrences are most
+       regularly one period apart, preferring the phase after the longest
+       host gap (the iteration start). Iterations run from one anchor to the
+       next, so an inserted or dropped call elsewhere does not shift them; a
+       missed anchor skips iterations instead of inventing one.
+    3. Re-estimation when no anchor has been seen for ``relock_after``
+       periods or iterations keep coming out irregular (a restarted job, a
+       new pattern), reported as a PatternChange.
+
+    Until a period is locked, ``state`` is "warming_up" and nothing is
+    guessed.
+    """
+
+    def __init__(self, *, rank: int | None = None, window: int = 4096, max_period: int = 500,
+                 min_period: int = 2, min_repeats: int = 3, peak_fraction: float = 0.8,
+                 min_peak: float = 0.05, min_anchor_score: float = 0.5, anchor_k: int = 4,
+                 tolerance: float = 0.1, relock_after: float = 4.0, min_calls: int = 32):
+        if not 2 <= min_period <= max_period:
+            raise ValueError("2 <= min_period <= max_period")
+        if window < min_repeats * max_period:
+            raise ValueError(f"window must hold {min_repeats} x max_period calls")
+        self.rank = rank
+        self.window = window
+        self.max_period, self.min_period, self.min_repeats = max_period, min_period, min_repeats
+        self.peak_fraction, self.min_peak = peak_fraction, min_peak
+        self.min_anchor_score, self.anchor_k, self.tolerance = min_anchor_score, anchor_k, tolerance
+        self.relock_after, self.min_calls = relock_after, min_calls
+        self.reset()
+
+    def reset(self) -> None:
+        self._types = np.empty(0, dtype=np.int64)
+        self._start = np.empty(0, dtype=np.int64)
+        self._end = np.empty(0, dtype=np.int64)
+        self._block = np.empty(0, dtype=bool)
+        self._gap = np.empty(0, dtype=np.int64)
+        self._offset = 0            # global call index of buffer position 0
+        self._last_call_start = None
+        self.state = "warming_up"
+        self.period: int | None = None
+        self._anchor: np.ndarray | None = None
+        self._gap_thr: int | None = None   # ns; None: gap classes not used
+        self._last_anchor: int | None = None  # global index
+        self._prev_end: int | None = None     # end of the previous iteration (ns)
+        self._scanned = 0           # global index up to which anchors were searched
+        self._irregular = 0
+        self._seen = 0              # calls fed so far
+        self._try_at = self.min_calls   # call count at which to estimate next
+        self.index = 0
+        self.skipped = 0
+
+    # -- feeding -----------------------------------------------------------------
+
+    def feed(self, types, start_ns, dur_ns, blocking=None) -> list:
+        """Add calls (in start order); returns IterationRecords and
+        PatternChanges in the order they happened. The result does not
+        depend on how the calls are split into batches."""
+        types = np.asarray(types, dtype=np.int64)
+        start = np.asarray(start_ns, dtype=np.int64)
+        dur = np.asarray(dur_ns, dtype=np.int64)
+        block = (np.ones(len(types), dtype=bool) if blocking is None
+                 else np.asarray(blocking, dtype=bool))
+        if not (types.ndim == start.ndim == dur.ndim == block.ndim == 1
+                and len(types) == len(start) == len(dur) == len(block)):
+            raise ValueError("types, start_ns, dur_ns and blocking differ in length")
+        if len(types) == 0:
+            return []
+        if types.min() < 0:
+            raise ValueError("call types must be non-negative")
+        out: list = []
+        i = 0
+        while i < len(types):
+            # Stop at the call count where an estimate is due, so estimates
+            # happen at the same calls whatever the batch boundaries.
+            j = len(types)
+            if self.state != "locked":
+                j = min(j, i + max(1, self._try_at - self._seen))
+            out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j])
+            i = j
+        return out
+
+    def _feed(self, types, start, end, block) -> list:
+        prev = self._last_call_start if self._last_call_start is not None else start[0]
+        gap = np.diff(start, prepend=prev)
+        self._last_call_start = int(start[-1])
+        self._types = np.concatenate([self._types, types])
+        self._start = np.concatenate([self._start, start])
+        self._end = np.concatenate([self._end, end])
+        self._block = np.concatenate([self._block, block])
+        self._gap = np.concatenate([self._gap, gap])
+        self._seen += len(types)
+        out: list = []
+        if self.state == "locked":
+            out += self._match()
+        if self.state != "locked" and self._seen >= self._try_at:
+            change = self._estimate()
+            if change:
+                out.append(change)
+                out += self._match()
+        self._trim()
+        return out
+
+    def _n_since_anchor(self) -> int:
+        base = self._last_anchor if self._last_anchor is not None else self._offset
+        return self._offset + len(self._types) - base
+
+    def _tokens(self, lo: int, hi: int) -> np.ndarray:
+        t = self._types[lo:hi]
+        if self._gap_thr is None:
+            return t
+        return t * 2 + (self._gap[lo:hi] > self._gap_thr)
+
+    # -- period and anchor -----------------------------------------------------------
+
+    def _estimate(self) -> PatternChange | None:
+        # Estimate on the calls since the last anchor (a new pattern), at most a window.
+        lo = max(0, len(self._types) - self.window)
+        if self._last_anchor is not None:
+            lo = max(lo, self._last_anchor - self._offset)
+        n = len(self._types) - lo
+        nlags = min(self.max_period, n // self.min_repeats)
+        if nlags < self.min_period:
+            self._try_at = self._seen + self.min_calls
+            return None
+        best = None
+        for use_gaps in (False, True):
+            thr = _otsu_threshold(self._gap[lo:]) if use_gaps else None
+            if use_gaps and thr is None:
+                continue
+            self._gap_thr = thr
+            toks = self._tokens(lo, len(self._types))
+            found = self._period_and_anchor(toks, self._gap[lo:], nlags)
+            self._gap_thr = None
+            if found and (best is None or found[2] > best[2]):
+                best = (*found, thr)
+            if best and best[2] >= 0.8:
+                break
+        # Let the window grow before trying again.
+        self._try_at = self._seen + max(self.min_calls, n // 4)
+        if best is None:
+            return None
+        period, phase, score, peak, thr = best     # phase: index into the window
+        self._gap_thr = thr
+        toks = self._tokens(lo, len(self._types))
+        kk = _anchor_length(period, int(toks.max()) + 1, self.anchor_k)
+        self._anchor = toks[phase:phase + kk].copy()
+        previous = self.period
+        self.period = period
+        self.state = "locked"
+        self._irregular = 0
+        self._scanned = self._offset + lo
+        self._last_anchor = None
+        self._prev_end = None
+        return PatternChange(self.rank, period, previous,
+                             "locked" if previous is None else "changed",
+                             int(self._start[-1]), peak, score, thr is not None)
+
+    def _period_and_anchor(self, toks: np.ndarray, gaps: np.ndarray, nlags: int):
+        n = len(toks)
+        ntypes = int(toks.max()) + 1
+        r = _kernels.categorical_acf(toks, ntypes, nlags)
+        if not np.isfinite(r[1:]).any():
+            return None
+        lags = np.arange(nlags + 1)
+        adj = r * n / np.maximum(n - lags, 1)      # undo the 1/n shrinkage at long lags
+        # Indels smear a long period's peak over neighbouring lags.
+        width = np.maximum(1, np.ceil(0.02 * lags)).astype(int)
+        sm = np.array([adj[max(0, k - w):k + w + 1].max() for k, w in zip(lags, width)])
+        cand = sm[self.min_period:]
+        top = float(cand.max())
+        # The ACF of an unrelated sequence at one lag is ~N(0, 1/n): over a
+        # few hundred lags a chance peak of 3/sqrt(n) is expected.
+        if top < max(self.min_peak, 4.0 / math.sqrt(n)):
+            return None
+        for k in range(self.min_period, nlags + 1):
+            if sm[k] < self.peak_fraction * top:
+                continue
+            k_best = int(np.argmax(adj[max(self.min_period, k - width[k]):k + width[k] + 1])) \
+                + max(self.min_period, k - width[k])
+            kk = _anchor_length(k_best, ntypes, self.anchor_k)
+            if n < self.min_repeats * k_best + kk:
+                return None
+            scores, lead = _kernels.score_anchors(toks, gaps, k_best, kk, self.tolerance,
+                                                  self.min_repeats - 1)
+            ok = scores >= max(self.min_anchor_score, 0.8 * scores.max())
+            if not ok.any():
+                return None
+            ph = int(np.argmax(np.where(ok, lead, -1)))
+            base = max(n - 2 * k_best - kk, 0)
+            return k_best, base + ph, float(scores[ph]), float(adj[k_best])
+        return None
+
+    # -- matching --------------------------------------------------------------------
+
+    def _match(self) -> list:
+        out = []
+        k = len(self._anchor)
+        lo = max(self._scanned - self._offset, 0)
+        toks = self._tokens(lo, len(self._types))
+        pos = _kernels.find_gram(toks, self._anchor) + lo
+        self._scanned = self._offset + max(lo, len(self._types) - k + 1)
+        P = self.period
+        for p in pos.tolist():
+            g_abs = p + self._offset
+            if self._last_anchor is None:
+                self._last_anchor = g_abs
+                self._prev_end = self._period_end(p)
+                continue
+            gap = g_abs - self._last_anchor
+            if gap < P * (1 - self.tolerance):
+                continue                       # a spurious match inside an iteration
+            a = self._last_anchor - self._offset
+            end = self._period_end(p)
+            if gap <= P * (1 + self.tolerance) and self._prev_end is not None:
+                out.append(self._record(a, p, self._prev_end, end))
+                self.index += 1
+                self._irregular = 0
+            else:
+                m = max(1, round(gap / P))
+                self.index += m
+                self.skipped += m
+                self._irregular += gap > P * (1 + self.tolerance)
+            self._prev_end = end
+            self._last_anchor = g_abs
+        if self._irregular >= 5 or self._n_since_anchor() > self.relock_after * P + k:
+            self.state = "relocking"
+            self._try_at = self._seen
+            if self._irregular >= 5:
+                self._last_anchor = self._offset + len(self._types) - 1
+            self._irregular = 0
+        return out
+
+    def _period_end(self, b: int) -> int | None:
+        """When the iteration before anchor position b finished: the last end
+        among the period's calls before it. The host's last wait of an
+        iteration (the final bucket's all-reduce, a sync) ends right before
+        the optimizer step, so this boundary sits next to the trainer's own,
+        where the anchor (often mid-backward) does not. None when that
+        period is not in the buffer."""
+        lo = b - self.period
+        return int(self._end[lo:b].max()) if lo >= 0 else None
+
+    def _record(self, a: int, b: int, start: int, stop: int) -> IterationRecord:
+        sel = self._block[a:b]
+        s_ = np.clip(self._start[a:b][sel], start, stop)
+        e_ = np.clip(self._end[a:b][sel], start, stop)
+        dur = max(stop - start, 1)
+        comm = min(int(_kernels.union_ns(s_, e_)), dur)
+        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm)
+
+    def _trim(self) -> None:
+        keep_from = len(self._types) - self.window
+        if self._last_anchor is not None:
+            keep_from = min(keep_from, self._last_anchor - self._offset - (self.period or 0))
+        keep_from = min(keep_from, self._scanned - self._offset - self.anchor_k)
+        if keep_from > 0:
+            for name in ("_types", "_start", "_end", "_block", "_gap"):
+                setattr(self, name, getattr(self, name)[keep_from:])
+            self._offset += keep_from
+
+
+def _anchor_length(period: int, ntypes: int, minimum: int) -> int:
+    """Calls in the anchor: enough that a chance repeat of it inside one
+    period is unlikely (ntypes^k >> period^2), no more than the period."""
+    need = math.ceil(2 * math.log(period + 1) / math.log(max(ntypes, 2))) + 1
+    return int(min(period, max(minimum, need)))
+
+
+def _otsu_threshold(gaps: np.ndarray) -> int | None:
+    """The host-gap length that best splits short gaps (between calls of one
+    phase) from long ones (compute), by Otsu's method on log gaps."""
+    g = gaps[gaps > 0]
+    if len(g) < 8:
+        return None
+    lg = np.log(g.astype(np.float64))
+    hist, edges = np.histogram(lg, bins=64)
+    if hist.sum() == 0:
+        return None
+    w = hist / hist.sum()
+    mids = (edges[:-1] + edges[1:]) / 2
+    w0 = np.cumsum(w)
+    m0 = np.cumsum(w * mids)
+    mt = m0[-1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        between = (mt * w0 - m0) ** 2 / (w0 * (1 - w0))
+    between[~np.isfinite(between)] = -1
+    i = int(np.argmax(between))
+    if between[i] <= 0:
+        return None
+    return int(math.exp(edges[i + 1]))
