@@ -1,11 +1,16 @@
-"""`greyhound-trace attach`: the live loop from PIDs to events.
+"""`greyhound-trace attach`: the live loop, I/O only.
+
+    tracer + discovery --inputs--> JobAnalysis --events--> JSON lines, text, live view, metrics
+         validator (on request) --^      |  `validation` requests -> validator
+         control file acks --------^      `action` plans -> control file (--mitigate)
 
 preflight (PIDs, privileges, libraries) -> load BPF -> attach to each target
--> loop { drain ring buffer -> decode -> sinks; rescan the process tree;
-report lost records; print the interval summary } -> detach everything.
-Every exit path (targets gone, Ctrl-C, SIGTERM, --duration, an error) goes
-through the same teardown, so no uprobe is left behind; a SIGKILLed tracer
-leaves none either, because its probes are perf-event fds the kernel closes.
+-> loop { drain the ring buffer; rescan the process tree; read acks; report
+lost records; feed every input to the analysis (and to --record); route its
+events } -> detach everything. Every exit path (targets gone, Ctrl-C,
+SIGTERM, --duration, an error) goes through the same teardown, so no uprobe
+is left behind; a SIGKILLed tracer leaves none either, because its probes
+are perf-event fds the kernel closes.
 """
 from __future__ import annotations
 
@@ -20,40 +25,41 @@ from typing import Callable, TextIO
 import numpy as np
 
 from . import GreyhoundError
-from .probe.catalog import Catalog, load_catalog
-from .probe.discovery import Discovery, Target, read_stat
+from .analysis import (Acks, Activity, AnalysisConfig, Calls, JobAnalysis, PlanWritten,
+                       Targets, Tick, Validated)
+from .diagnosis.host import PAUSE_MAX_S, busy_since
+from .diagnosis.planner import PAUSE_BUDGET
+from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 from .events import make_event
 from .output.jsonl import JsonLinesWriter
-from .output.text import describe_engine_event
-from .engine.pipeline import JobPipeline
 from .output.summary import CallStats, safe
+from .output.text import describe
+from .probe.catalog import Catalog, load_catalog
 from .probe.check import has_bpf_privileges
+from .probe.discovery import Discovery, Target, read_stat
 from .probe.tracer import DEFAULT_RINGBUF_PAGES, Tracer
 
 # How often the process tree is rescanned for new or exited ranks. Ranks that
 # start later are probed within this delay plus the attach time; each scan
 # reads /proc/*/stat, CPU taken from the job on a busy node.
 SCAN_INTERVAL_S = 1.0
-# How often the in-kernel loss counter is read (a per-CPU map lookup).
+# How often the in-kernel loss counter and the trainer's acks are read.
 LOST_CHECK_S = 0.5
+# How often the analysis is told the time (waits that end, the topology).
+TICK_S = 1.0
 # Longest wait for records; the kernel also wakes us every N records.
 POLL_MS = 200
 # How often the JSON stream is flushed to its file.
 FLUSH_S = 0.5
 # How often the live view is redrawn.
 VIEW_S = 0.25
-# Job iterations before validation workers are started (their start costs
-# CPU; the detectors first learn the job's healthy speed).
-POOL_AFTER_ITERATIONS = 30
-# Seconds after an attach before the detectors take iterations again:
-# attaching uprobes and the tracer's start-up slow the job for a moment.
-SETTLE_S = 2.0
 
 
 @dataclass
 class AttachOptions:
     pids: list[int]
     json_path: str | None = None
+    record_path: str | None = None
     calls: bool = False
     duration: float | None = None
     interval: float | None = 1.0
@@ -62,8 +68,8 @@ class AttachOptions:
     ringbuf_pages: int = DEFAULT_RINGBUF_PAGES
     count_launches: bool = False
     job: str | None = None
-    threshold: float = 0.10
-    min_probability: float = 0.9
+    threshold: float = SLOWDOWN_THRESHOLD
+    min_probability: float = MIN_PROBABILITY
     control_file: str | None = None
     mitigate: bool = False
     microbatches: int | None = None
@@ -72,7 +78,8 @@ class AttachOptions:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     validate: bool = True           # benchmark devices and links after a job slowdown
-    pause_max_s: float = 5.0
+    pause_max_s: float = PAUSE_MAX_S
+    pause_budget: float = PAUSE_BUDGET
 
 
 class AttachSession:
@@ -83,18 +90,18 @@ class AttachSession:
         self.err = err or sys.stderr
         to_stdout = opts.json_path == "-"
         self.text_out = text_out or (sys.stderr if to_stdout else sys.stdout)
-        self.writer = JsonLinesWriter(opts.json_path) if opts.json_path else None
         self.sinks: list[Callable[[dict], None]] = []
         self.discovery = Discovery(opts.pids, self.catalog)
         self.tracer: Tracer | None = None
         self.stats = CallStats(self.catalog)
         self._fn_names = [fn.name for fn in self.catalog.functions]
-        self.pipeline = JobPipeline(self.catalog, threshold=opts.threshold,
-                                    min_probability=opts.min_probability)
         self.known: dict[int, Target] = {}
         self.job = opts.job or self._default_job()
         self.stop_reason: str | None = None
         self.lost_reported = 0
+        # The analysis clock: the kernel's CLOCK_MONOTONIC (record times)
+        # shifted to the wall clock once, so that a step of the wall clock
+        # mid-run moves no duration.
         self.mono_to_wall = time.time_ns() - time.monotonic_ns()
         self.control = None
         if opts.mitigate and not opts.control_file:
@@ -106,37 +113,54 @@ class AttachSession:
                 self.control = ControlWriter(opts.control_file)
             except PlanError as e:
                 raise GreyhoundError(f"--control-file: {e}") from None
-        from mitigation.policy import SkiRentalPolicy
-        from .diagnosis.passive import PassiveDiagnoser
-        from .engine.topology import Topology
-        self.topology = Topology(self.catalog)
-        self.diagnoser = PassiveDiagnoser(topology=self.topology)
-        self.policy = SkiRentalPolicy(global_microbatches=opts.microbatches,
-                                      restart_estimate_s=opts.restart_estimate_s)
+        config = AnalysisConfig(
+            threshold=opts.threshold, min_probability=opts.min_probability,
+            validate=opts.validate, pause_budget=opts.pause_budget, mitigate=opts.mitigate,
+            first_seq=(self.control.seq + 1) if self.control else 1,
+            microbatches=opts.microbatches, restart_estimate_s=opts.restart_estimate_s)
+        self.analysis = JobAnalysis(self.catalog, self.job, config)
+        self.writer = JsonLinesWriter(opts.json_path) if opts.json_path else None
+        self.recorder = None
+        if opts.record_path:
+            from .recording import Recorder, header
+            self.recorder = Recorder(opts.record_path, header(
+                self.job, config, self.catalog, pids=list(opts.pids)))
+        self._record_said = False
+        self._followups: list = []                 # inputs caused by handling events
+        self._feeding = False
         self.metrics = None
         self.live = None                           # rich.live.Live while the TUI runs
         self.tui_state = None
         self._rates: dict[int, tuple[float, int]] = {}   # pid -> (time, calls) at last view
         self._calls_total = (0.0, 0)
         self.exited_pids: set[int] = set()
-        self.pending_plan: dict | None = None      # issued, waiting for every rank's ack
-        self.outcome_due: dict | None = None       # applied, its effect not measured yet
-        self.validator = None                      # validate.Service, once the job runs
+        self.validator = None                      # diagnosis.validator.Service, at first use
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
+        self._acks_last = None
+        self._other_busy: str | None = None        # id of another greyhound's open span
+        self._other_n = 0
 
     def _default_job(self) -> str:
         st = read_stat(self.opts.pids[0]) if self.opts.pids else None
         return f"{st.comm if st else 'job'}-{self.opts.pids[0] if self.opts.pids else 0}"
 
+    def now_ns(self) -> int:
+        """The analysis clock."""
+        return time.monotonic_ns() + self.mono_to_wall
+
     # -- output --------------------------------------------------------------
 
     def emit(self, kind: str, time_ns: int | None = None, **fields) -> dict:
+        """An event of the attach loop itself (attach, exit, lost, detach, call)."""
         ev = make_event(kind, self.job, time_ns, **fields)
+        self._publish(ev)
+        return ev
+
+    def _publish(self, ev: dict) -> None:
         if self.writer:
             self.writer.write(ev)
         for sink in self.sinks:
             sink(ev)
-        return ev
 
     def say(self, msg: str) -> None:
         if self.live is not None:
@@ -145,10 +169,47 @@ class AttachSession:
         print(f"greyhound-trace: {msg}", file=self.err, flush=True)
 
     def tell(self, line: str) -> None:
-        """An engine/policy event line for the text output (the live view
-        logs the events themselves)."""
+        """An analysis event's line for the text output (the live view logs
+        the events themselves)."""
         if self.live is None:
             print(line, file=self.text_out, flush=True)
+
+    # -- the analysis --------------------------------------------------------
+
+    def feed(self, inp) -> None:
+        """One input to the analysis (and the recording), then its events
+        to the outputs and to whoever acts on them. Inputs that handling
+        causes (a plan that could not be written) are fed after, in order,
+        so that a replay of the recording sees what the analysis saw."""
+        self._followups.append(inp)
+        if self._feeding:
+            return
+        self._feeding = True
+        try:
+            while self._followups:
+                item = self._followups.pop(0)
+                if self.recorder is not None:
+                    self.recorder.write(item)
+                    if self.recorder.error and not self._record_said:
+                        self._record_said = True
+                        self.say(f"--record {self.opts.record_path}: {self.recorder.error}; "
+                                 "recording stopped (tracing goes on)")
+                for ev in self.analysis.feed(item):
+                    self._route(ev)
+        finally:
+            self._feeding = False
+
+    def _route(self, ev: dict) -> None:
+        self._publish(ev)
+        kind = ev["kind"]
+        if kind not in ("iteration", "activity"):
+            line = describe(ev)
+            if line:
+                self.tell(line)
+        if kind == "validation" and ev.get("phase") == "request":
+            self._start_validation(ev)
+        elif kind == "action" and ev.get("seq") is not None and ev.get("phase") != "outcome":
+            self._write_plan(ev)
 
     # -- preflight -----------------------------------------------------------
 
@@ -205,10 +266,14 @@ class AttachSession:
                 signal.signal(s, h)
             if self.stop_reason != "error":
                 self._finish(t0)
+            else:
+                self._stop_validation()
             if self.tracer:
                 self.tracer.close()
             if self.writer:
                 self.writer.close()
+            if self.recorder:
+                self.recorder.close()
             if self.metrics:
                 self.metrics.close()
         return 0
@@ -219,6 +284,7 @@ class AttachSession:
     def _loop(self, t0: float) -> None:
         next_scan = t0 + SCAN_INTERVAL_S
         next_lost = t0 + LOST_CHECK_S
+        next_tick = t0 + TICK_S
         next_flush = t0 + FLUSH_S
         next_view = t0
         next_summary = t0 + self.opts.interval if self.opts.interval else None
@@ -233,21 +299,19 @@ class AttachSession:
                 next_lost = now + LOST_CHECK_S
             if now >= next_scan:
                 self._rescan()
-                self._keep_validation_pool()
-                self._note_busy()
+                self._note_other_greyhounds()
                 next_scan = now + SCAN_INTERVAL_S
-                topo = self.topology.changed()
-                if topo:
-                    ev = self.emit("topology", **topo)
-                    self.tell(describe_engine_event("topology", ev))
             self._collect_validation()
+            if now >= next_tick:
+                self.feed(Tick(self.now_ns()))
+                next_tick = now + TICK_S
             if self.live is not None and now >= next_view:
                 from .output.tui import render
                 self.live.update(render(self._snapshot(now - t0)), refresh=True)
                 next_view = now + VIEW_S
             if (next_summary and now >= next_summary and not self.stop_reason
                     and self.live is None):
-                print(self.stats.format_interval(self.pipeline.rank_view), file=self.text_out,
+                print(self.stats.format_interval(self.analysis.rank_view), file=self.text_out,
                       flush=True)
                 summaries += 1
                 next_summary += self.opts.interval
@@ -255,11 +319,15 @@ class AttachSession:
                     self.stop_reason = "duration"
             if deadline and now >= deadline:
                 self.stop_reason = self.stop_reason or "duration"
-            if self.writer and now >= next_flush:
-                self.writer.flush()
+            if now >= next_flush:
+                if self.writer:
+                    self.writer.flush()
+                if self.recorder:
+                    self.recorder.flush()
                 next_flush = now + FLUSH_S
 
     def _attach_targets(self, targets: list[Target], first: bool = False) -> None:
+        begin = self.now_ns()
         attached = []
         for t in targets:
             probes = self.tracer.attach(t)
@@ -267,13 +335,12 @@ class AttachSession:
                 continue   # exited while we attached
             self.known[t.pid] = t
             self.stats.add_target(t.pid, t.rank, t.comm)
-            self.pipeline.add_rank(t.pid, t.rank)
             attached.append((t, probes))
         if attached:
-            # Attaching perturbs the job (and the ranks already traced) for a
-            # moment: the detectors start (or go on) after it has passed.
-            self.pipeline.settle_until_ns = max(self.pipeline.settle_until_ns,
-                                                time.time_ns() + int(SETTLE_S * 1e9))
+            self.feed(Targets(self.now_ns(), tuple(
+                {"pid": t.pid, "rank": t.rank, "local_rank": t.local_rank,
+                 "world_size": t.world_size, "comm": t.comm} for t, _ in attached),
+                begin_ns=begin))
         if attached or first:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
             self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),
@@ -291,6 +358,8 @@ class AttachSession:
             self.tracer.detach(t.pid)
             self.emit("exit", pid=t.pid, rank=t.rank)
             self.say(f"pid {t.pid} (rank {'-' if t.rank is None else t.rank}) exited")
+        if exited:
+            self.feed(Targets(self.now_ns(), exited=tuple(t.pid for t in exited)))
         for t in grown:
             missing = [f for f in t.libraries if f not in
                        {p.fn.family for p in self.tracer.probes.get(t.pid, [])}]
@@ -313,92 +382,59 @@ class AttachSession:
         if len(recs) == 0:
             return
         groups = self.stats.add(recs)
-        ranks = {pid: t.rank for pid, t in self.known.items()}
-        self.topology.feed(recs, ranks)
         if self.metrics:
-            self.metrics.count_calls(groups, ranks, self._fn_names)
-        for kind, fields, t_ns in self.pipeline.feed_records(recs, ranks, self.mono_to_wall):
-            ev = self.emit(kind, t_ns, **fields)
-            if kind != "iteration":
-                self.tell(describe_engine_event(kind, fields))
-            self._diagnose(ev, t_ns)
-            self._mitigate(ev)
+            self.metrics.count_calls(groups, {p: t.rank for p, t in self.known.items()},
+                                     self._fn_names)
+        # Record times on the analysis clock (a copy: the batch is the tracer's).
+        recs = recs.copy()
+        recs["start_ns"] += np.uint64(self.mono_to_wall)
+        self.feed(Calls(self.now_ns(), recs))
         if not (self.opts.calls and (self.writer or self.sinks)):
             return
         fns = self.catalog.functions
-        offset = self.mono_to_wall
         for r in recs:
             fn = fns[r["fn"]]
             pid = int(r["pid"])
             t = self.known.get(pid)
             self.emit("call", rank=t.rank if t else None, pid=pid, tid=int(r["tid"]),
-                      fn=fn.name, start_ns=int(r["start_ns"]) + offset, dur_ns=int(r["dur_ns"]),
+                      fn=fn.name, start_ns=int(r["start_ns"]), dur_ns=int(r["dur_ns"]),
                       **self.catalog.decode(fn, r["args"], int(r["ret"]), int(r["flags"])))
 
     # -- validation ----------------------------------------------------------
 
-    def _diagnose(self, ev: dict, t_ns: int | None = None) -> None:
-        for fields in self.diagnoser.observe(ev):
-            d = self.emit("diagnosis", t_ns, **fields)
-            self.tell(describe_engine_event("diagnosis", d))
-            # Validation follows the passive verdict: by then the slowdown
-            # has lasted `min_after` iterations, so blips cost no pause.
-            # A named cause is validated even when the job has recovered
-            # meanwhile: a rebalance hides a slow rank, it does not fix it.
-            if ((self.diagnoser.slowdown is not None or fields["cause"] != "unknown")
-                    and not fields["details"].get("below_min_ratio")):
-                self._start_validation(fields["index"])
-
-    def _members(self):
-        from .diagnosis import host as validate
+    def _members(self, ranks: list[int]):
+        from .diagnosis.host import gpu_count, member_of
         if not hasattr(self, "_gpus"):
-            self._gpus = validate.gpu_count()
-        return [validate.member_of(t.pid, t.rank, t.local_rank, self._gpus)
+            self._gpus = gpu_count()
+        return [member_of(t.pid, t.rank, t.local_rank, self._gpus)
                 for pid, t in sorted(self.known.items())
-                if t.rank is not None and pid not in self.exited_pids
+                if t.rank in ranks and pid not in self.exited_pids
                 and os.path.exists(f"/proc/{pid}")]
 
-    def _note_busy(self) -> None:
-        """Windows of validation activity on this machine (ours or another
-        greyhound's), for the passive diagnosis."""
-        from .diagnosis.host import busy_since
-        since, w = busy_since(), self.diagnoser.busy
-        if since is not None and not (w and w[-1][1] is None):
-            w.append([since, None])
-        elif since is None and w and w[-1][1] is None:
-            w[-1][1] = time.time_ns()
-        del w[:-32]
+    def _note_other_greyhounds(self) -> None:
+        """Another greyhound validating on this machine loads it too: its
+        span is an input of the analysis, as ours are."""
+        since = busy_since(exclude_pid=os.getpid())
+        if since is not None and self._other_busy is None:
+            self._other_n += 1
+            self._other_busy = f"other-{self._other_n}"
+            self._other_since = since
+            self.feed(Activity(self.now_ns(), self._other_busy, "other", since, None))
+        elif since is None and self._other_busy is not None:
+            self.feed(Activity(self.now_ns(), self._other_busy, "other", self._other_since,
+                               self.now_ns()))
+            self._other_busy = None
 
-    def _validation_service(self):
+    def _start_validation(self, ev: dict) -> None:
+        """Benchmark the ranks' devices and links in the background
+        (diagnosis.validator.Service); the tracer keeps draining."""
+        members = self._members(ev["ranks"])
         if self.validator is None:
             from .diagnosis.validator import Service
             self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
-                                     self.opts.pause_max_s, self.pipeline.pauses)
-        return self.validator
-
-    def _keep_validation_pool(self) -> None:
-        """Once the job has run a while (the detectors have their baseline),
-        keep idle validation workers for its current ranks."""
-        if not self.opts.validate or len(self.pipeline._job_fed) < POOL_AFTER_ITERATIONS:
-            return
-        self._validation_service()
-        self.validator.keep(self._members())
-
-    def _start_validation(self, index: int) -> None:
-        """Benchmark every rank's device and links in the background
-        (greyhound_bpf.validate.Service); the tracer keeps draining."""
-        if not self.opts.validate:
-            return
-        self._validation_service()
-        members = self._members()
-        if len(members) < 2:
-            return
-        self.validator.keep(members)
-        from .diagnosis.rules import edges_of
-        edges = edges_of(self.topology.fields(), [m.rank for m in members])
-        if self.validator.request(index, edges):
-            self.say(f"validating {len(members)} ranks' devices and links (slowdown at "
-                     f"iteration {index})")
+                                     self.now_ns, self.opts.pause_max_s)
+        self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]])
+        self.say(f"validating {len(members)} ranks' devices and links ({ev['reason']})")
 
     def _collect_validation(self) -> None:
         while True:
@@ -408,14 +444,39 @@ class AttachSession:
                 return
             if what == "progress":
                 self.say(f"validation: {doc}")
-                continue
-            d = self.emit("diagnosis", **doc)
-            self.tell(describe_engine_event("diagnosis", d))
+            elif what == "activity":
+                span_id, kind, start, end = doc
+                self.feed(Activity(self.now_ns(), span_id, kind, start, end))
+            elif what == "result":
+                request_id, res = doc
+                self.feed(Validated(self.now_ns(), request_id, res.to_dict()))
 
     def _stop_validation(self) -> None:
         if self.validator is not None:
             self.validator.close()
             self._collect_validation()
+
+    # -- mitigation ----------------------------------------------------------
+
+    def _write_plan(self, ev: dict) -> None:
+        from mitigation.control import PlanError
+        plan = dict(ev.get("plan") or {})
+        if "microbatches" in plan:
+            plan["microbatches"] = {int(k): v for k, v in plan["microbatches"].items()}
+        try:
+            self.control.issue(ev["strategy"], seq=ev["seq"], reason=ev["reason"], **plan)
+        except (OSError, PlanError) as e:
+            self.say(f"could not write plan {ev['seq']} to {self.opts.control_file}: {e}")
+            self.feed(PlanWritten(self.now_ns(), ev["seq"], str(e)))
+
+    def _read_acks(self) -> None:
+        if self.control is None:
+            return
+        docs = self.control.ack_docs()
+        cost = self.control.restart_observed_s()
+        if (docs, cost) != self._acks_last:
+            self._acks_last = (docs, cost)
+            self.feed(Acks(self.now_ns(), docs, cost))
 
     # -- live view -----------------------------------------------------------
 
@@ -436,7 +497,7 @@ class AttachSession:
         now = time.monotonic()
         rows = []
         stragglers = self.tui_state.stragglers
-        named = self.policy.straggler
+        named = self.analysis.straggler
         total = 0
         for rs in self.stats._sorted():
             calls = sum(f.count for f in rs.fns.values())
@@ -445,7 +506,7 @@ class AttachSession:
             rate = (calls - c_prev) / (now - t_prev) if now > t_prev else 0.0
             if now - t_prev >= 1.0 or rs.pid not in self._rates:
                 self._rates[rs.pid] = (now, calls)
-            v = self.pipeline.rank_view(rs.pid)
+            v = self.analysis.rank_view(rs.pid)
             state = v["state"]
             if rs.pid in self.exited_pids:
                 state = "exited"
@@ -465,59 +526,10 @@ class AttachSession:
                         ranks=tuple(rows), history=tuple(self.tui_state.history),
                         marks=self.tui_state.marks_in_history(),
                         log=tuple(self.tui_state.log),
-                        mode="mitigate" if self.opts.mitigate else "advise",
+                        mode=self.analysis.mode,
                         width=width or (self.live.console.width if self.live else 80))
 
-    # -- mitigation ----------------------------------------------------------
-
-    def _mitigate(self, ev: dict) -> None:
-        for d in self.policy.observe(ev):
-            seq = None
-            if self.opts.mitigate and d.strategy != "none":
-                from mitigation.control import PlanError
-                try:
-                    plan = self.control.issue(d.strategy, reason=d.reason, **d.plan)
-                except (OSError, PlanError) as e:
-                    self.say(f"could not write plan to {self.opts.control_file}: {e}")
-                    self.policy.withdraw()
-                else:
-                    seq = plan.seq
-                    self.pending_plan = {"seq": seq, "strategy": d.strategy,
-                                         "expected_ms": d.expected_ms,
-                                         "issued": time.monotonic()}
-            elif d.strategy != "none":
-                self.policy.withdraw()          # advise only: reported, not written
-            f = d.fields()
-            out = self.emit("action", seq=seq, mode="mitigate" if self.opts.mitigate
-                            else "advise", **f)
-            self.tell(describe_engine_event("action", out))
-        due = self.outcome_due
-        if (due and ev["kind"] == "iteration" and self.policy.since_plan >= self.policy.window
-                and self.policy.recent_job_ms() is not None):
-            self.outcome_due = None
-            out = self.emit("action", phase="outcome", seq=due["seq"], strategy=due["strategy"],
-                            expected_ms=due["expected_ms"],
-                            achieved_ms=round(self.policy.recent_job_ms(), 3))
-            self.tell(describe_engine_event("action", out))
-
-    def _read_acks(self) -> None:
-        if self.control is None:
-            return
-        docs = self.control.ack_docs()
-        self.policy.acks(docs)
-        self.policy.restart_observed_s = self.control.restart_observed_s()
-        p = self.pending_plan
-        if p is None or not docs:
-            return
-        done = sorted(r for r, d in docs.items() if d["seq"] >= p["seq"])
-        if len(done) == len(docs):
-            self.pending_plan = None
-            after_ms = (time.monotonic() - p["issued"]) * 1e3
-            ev = self.emit("applied", seq=p["seq"], ranks=done, after_ms=round(after_ms, 1))
-            self.tell(describe_engine_event("applied", ev))
-            self._diagnose(ev)
-            if p["strategy"] == "rebalance_microbatches":
-                self.outcome_due = p
+    # -- the end ---------------------------------------------------------------
 
     def _finish(self, t0: float) -> None:
         self._stop_validation()
@@ -529,11 +541,21 @@ class AttachSession:
         extra = {}
         if self.opts.count_launches and self.tracer and self.tracer.bpf is not None:
             extra["launches"] = {str(pid): n for pid, n in sorted(self.tracer.launch_counts().items())}
-        self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported, **extra)
+        a = self.analysis
+        self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported,
+                  validations=a.planner.validations, paused_s=round(a.paused_total_s, 3),
+                  **extra)
         if self.writer:
             self.writer.flush()
         print(self.stats.format_final(self.lost_reported, delivered, time.monotonic() - t0),
               file=self.text_out, flush=True)
+        elapsed = max(time.monotonic() - t0, 1e-9)
+        print(f"greyhound-trace: {a.planner.validations} validation(s), job paused "
+              f"{a.paused_total_s:.1f} s ({100 * a.paused_total_s / elapsed:.2f}% of "
+              f"{elapsed:.0f} s)", file=self.text_out, flush=True)
+        if self.recorder is not None and self.recorder.dropped:
+            print(f"greyhound-trace: --record {self.opts.record_path}: {self.recorder.dropped} "
+                  f"input(s) not recorded ({self.recorder.error})", file=self.text_out, flush=True)
         for pid, n in extra.get("launches", {}).items():
             print(f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)",
                   file=self.text_out, flush=True)

@@ -5,12 +5,16 @@ import argparse
 import sys
 
 from . import GreyhoundError, __version__
+from .diagnosis.host import PAUSE_MAX_S
+from .diagnosis.planner import PAUSE_BUDGET
+from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 
 EPILOG_ATTACH = """\
 examples:
   sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
   sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
   sudo greyhound-trace attach 4242 --json ev.jsonl --calls --duration 60
+  sudo greyhound-trace attach 4242 --record run.rec.gz   # replay it later
   sudo greyhound-trace attach 4242 --json - | jq 'select(.kind=="lost")'
   sudo greyhound-trace attach --wait $(pgrep -f train.sh)  # ranks start later
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
@@ -22,9 +26,9 @@ exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 
 EPILOG_REPLAY = """\
 examples:
-  sudo greyhound-trace attach 4242 --json run.jsonl --calls --duration 300
-  greyhound-trace replay run.jsonl | jq 'select(.kind=="slowdown")'
-  greyhound-trace replay run.jsonl --no-iterations --threshold 0.2
+  sudo greyhound-trace attach 4242 --record run.rec.gz --duration 300
+  greyhound-trace replay run.rec.gz | jq 'select(.kind=="diagnosis")'
+  greyhound-trace replay run.rec.gz --no-iterations --threshold 0.2
 """
 
 EPILOG_INJECT = """\
@@ -86,6 +90,16 @@ def _probability(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1: {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="greyhound-trace",
@@ -107,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "summary then goes to stderr)")
     a.add_argument("--calls", action="store_true",
                    help="include one `call` event per probed call in the JSON stream")
+    a.add_argument("--record", metavar="FILE",
+                   help="record every input of the analysis to FILE (.gz: compressed), for "
+                        "`greyhound-trace replay FILE`")
     a.add_argument("-d", "--duration", type=_positive, metavar="S", help="stop after S seconds")
     a.add_argument("--wait", action="store_true",
                    help="wait for the targets to load a probed library instead of failing")
@@ -121,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "when stdout is a terminal and --json is not -)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
-    a.add_argument("--threshold", type=_positive, default=0.10, metavar="F",
-                   help="report a slowdown when iterations get this much slower (default 0.10)")
-    a.add_argument("--min-probability", type=_probability, default=0.9, metavar="P",
-                   help="change probability a slowdown needs (default 0.9)")
+    a.add_argument("--threshold", type=_positive, default=SLOWDOWN_THRESHOLD, metavar="F",
+                   help="report a slowdown when iterations get this much slower "
+                        f"(default {SLOWDOWN_THRESHOLD:g})")
+    a.add_argument("--min-probability", type=_probability, default=MIN_PROBABILITY, metavar="P",
+                   help=f"change probability a slowdown needs (default {MIN_PROBABILITY:g})")
 
     a.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
@@ -134,8 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-validate", action="store_true",
                    help="after a job slowdown, do not benchmark the devices and links "
                         "(see `validate`; the job is paused at most --pause-max seconds)")
-    a.add_argument("--pause-max", type=_positive, default=5.0, metavar="S",
-                   help="longest validation may pause the job (default 5)")
+    a.add_argument("--pause-max", type=_positive, default=PAUSE_MAX_S, metavar="S",
+                   help=f"longest validation may pause the job (default {PAUSE_MAX_S:g})")
+    a.add_argument("--pause-budget", type=_fraction, default=PAUSE_BUDGET, metavar="F",
+                   help="most of any 10 minutes validation may keep the job paused "
+                        f"(default {PAUSE_BUDGET:g}: 1%%)")
 
     m = a.add_argument_group("mitigation (advise only unless --mitigate)")
     m.add_argument("--control-file", metavar="PATH",
@@ -150,18 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--restart-cost", type=_positive, default=60.0, metavar="S",
                    help="checkpoint-restart cost assumed until one is observed (default 60)")
 
-    r = sub.add_parser("replay", help="run the engine over a recorded trace",
-                       description="Run the iteration estimator and slowdown detector over a\n"
-                                   "recording made with `attach --json FILE --calls`. The same\n"
-                                   "file always gives the same events.",
+    r = sub.add_parser("replay", help="run the analysis over a recorded run",
+                       description="Feed a recording made with `attach --record FILE` to the\n"
+                                   "analysis: the live run's events again, diagnoses and plans\n"
+                                   "included (an `attach --json FILE --calls` stream gives the\n"
+                                   "engine's events). The same file always gives the same events.",
                        epilog=EPILOG_REPLAY, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("file", metavar="FILE", help="JSON-lines recording with call events")
+    r.add_argument("file", metavar="FILE", help="a recording (attach --record), or an event "
+                                                 "stream with call events")
     r.add_argument("--json", metavar="OUT", default="-",
                    help="write the events here (default: stdout)")
     r.add_argument("--no-iterations", action="store_true",
                    help="leave out `iteration` events (keep pattern/slowdown/recovery)")
-    r.add_argument("--threshold", type=_positive, default=0.10, metavar="F")
-    r.add_argument("--min-probability", type=_probability, default=0.9, metavar="P")
+    r.add_argument("--threshold", type=_positive, metavar="F",
+                   help="override the recorded slowdown threshold")
+    r.add_argument("--min-probability", type=_probability, metavar="P",
+                   help="override the recorded change probability")
 
     inj = sub.add_parser("inject", help="slow a rank, link or GPU down on purpose (needs root)",
                          description="Inject a fail-slow for real, to check that your setup\n"
@@ -199,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the `diagnosis` event to FILE (- for stdout)")
     v.add_argument("--no-pause", action="store_true",
                    help="measure while the job runs (noisier; nothing is paused)")
-    v.add_argument("--pause-max", type=_positive, default=5.0, metavar="S",
-                   help="longest the job may be paused (default 5)")
+    v.add_argument("--pause-max", type=_positive, default=PAUSE_MAX_S, metavar="S",
+                   help=f"longest the job may be paused (default {PAUSE_MAX_S:g})")
     v.add_argument("--timeout", type=_positive, default=60.0, metavar="S",
                    help="longest wait for the workers to start (default 60)")
     v.add_argument("--python", default=sys.executable, metavar="PATH",
@@ -227,7 +252,8 @@ def cmd_attach(args) -> int:
         print(open(t.source_path()).read())
         return 0
     opts = AttachOptions(
-        pids=args.pids, json_path=args.json, calls=args.calls, duration=args.duration,
+        pids=args.pids, json_path=args.json, record_path=args.record, calls=args.calls,
+        duration=args.duration,
         interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
         ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
         count_launches=args.count_launches, job=args.job, threshold=args.threshold,
@@ -235,7 +261,7 @@ def cmd_attach(args) -> int:
         mitigate=args.mitigate, microbatches=args.microbatches,
         restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr, validate=not args.no_validate,
-        pause_max_s=args.pause_max,
+        pause_max_s=args.pause_max, pause_budget=args.pause_budget,
         tui=sys.stdout.isatty() and args.json != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
@@ -245,7 +271,9 @@ def cmd_attach(args) -> int:
 def cmd_replay(args) -> int:
     from .output.jsonl import JsonLinesWriter
     from .replay import replay
-    events = replay(args.file, threshold=args.threshold, min_probability=args.min_probability)
+    overrides = {k: v for k, v in (("threshold", args.threshold),
+                                   ("min_probability", args.min_probability)) if v is not None}
+    events = replay(args.file, **overrides)
     out = JsonLinesWriter(args.json)
     for ev in events:
         if args.no_iterations and ev["kind"] == "iteration":
@@ -332,7 +360,7 @@ def cmd_validate(args) -> int:
                            start_timeout_s=args.timeout, python=args.python,
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",
                                                           highlight=False))
-    fields = rules.decide(v.run())
+    fields = rules.decide(v.run()).fields()
     if args.json:
         out = JsonLinesWriter(args.json)
         out.write(make_event("diagnosis", job, **fields))

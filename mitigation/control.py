@@ -173,17 +173,18 @@ class ControlWriter:
 
     def issue(self, strategy: str, *, microbatches: dict[int, int] | None = None,
               layer_split: list[int] | None = None, restart: dict | None = None,
-              reason: str = "") -> Plan:
-        plan = Plan(self.seq + 1, strategy, time.time_ns(), microbatches, layer_split,
+              reason: str = "", seq: int | None = None) -> Plan:
+        """Write a plan: number `seq` (the analysis numbers its plans), or
+        the next one."""
+        seq = self.seq + 1 if seq is None else seq
+        if seq <= self.seq:
+            raise PlanError(f"plan {seq} is not newer than plan {self.seq} in {self.path}")
+        plan = Plan(seq, strategy, time.time_ns(), microbatches, layer_split,
                     restart, reason)
         Plan.from_dict(plan.to_dict())          # never write what a trainer would reject
         atomic_write_json(self.path, plan.to_dict())
         self.seq = plan.seq
         return plan
-
-    def acks(self) -> dict[int, int]:
-        """rank -> the last seq it applied (0: announced, no plan yet)."""
-        return {r: d["seq"] for r, d in self.ack_docs().items()}
 
     def ack_docs(self) -> dict[int, dict]:
         """rank -> its last acknowledgement, with what it runs now
@@ -204,13 +205,6 @@ class ControlWriter:
             return float(json.loads(Path(f"{self.path}.restart_cost").read_text())["restart_s"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
-
-    def clear_acks(self) -> None:
-        for p in self.path.parent.glob(f"{self.path.name}.ack.*"):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""S3: re-split a pipeline's layers, and re-map ranks away from a slow link.
+"""S3: re-split a pipeline's layers across its stages.
 
 ``resplit`` gives each pipeline stage a contiguous run of layers (at least
 one) so that the slowest stage finishes first: stage k's speed is measured
@@ -8,13 +8,8 @@ Exact, by dynamic programming over layer boundaries (O(S * L^2); 128
 stages x 1,000 layers takes well under a second). With equal layers this is
 S2's problem and gives the same counts.
 
-``remap_link`` handles a slow link between two ranks that are neighbours in
-a pipeline: activations cross a pipeline edge twice per micro-batch, while
-the same two ranks placed in one stage (different pipeline replicas) only
-share the data-parallel all-reduce once per iteration. It swaps one end of
-the link with its counterpart in another replica, so that no pipeline edge
-uses the slow link. Both plans go through the control file and the trainer
-applies them when it restarts (S4's checkpoint path).
+The plan goes through the control file and the trainer applies it when it
+restarts (S4's checkpoint path).
 """
 from __future__ import annotations
 
@@ -77,37 +72,3 @@ def resplit(stage_times, current_split, layer_costs=None) -> Resplit:
     split.append(j)
     split.reverse()
     return Resplit(tuple(split), float(best[S - 1, L]), current)
-
-
-def remap_link(grid, slow_link) -> list[list[int]] | None:
-    """grid[p][s]: the rank at stage s of pipeline replica p. Returns a new
-    grid in which no pipeline edge (same p, adjacent s) joins the two ends of
-    `slow_link`, changing as few positions as possible (one swap), or None
-    when the link is not on a pipeline edge or no swap avoids it."""
-    g = [list(row) for row in grid]
-    a, b = slow_link
-    if not g or any(len(row) != len(g[0]) for row in g):
-        raise ResplitError("every pipeline replica needs the same number of stages")
-    where = {r: (p, s) for p, row in enumerate(g) for s, r in enumerate(row)}
-    if a not in where or b not in where:
-        raise ResplitError(f"ranks {a} and {b} must both be in the grid")
-
-    def on_edge(grid_):
-        for row in grid_:
-            for s in range(len(row) - 1):
-                if {row[s], row[s + 1]} == {a, b}:
-                    return True
-        return False
-
-    if not on_edge(g):
-        return None
-    for end in (b, a):
-        p, s = where[end]
-        for q in range(len(g)):
-            if q == p:
-                continue
-            cand = [list(row) for row in g]
-            cand[p][s], cand[q][s] = cand[q][s], cand[p][s]
-            if not on_edge(cand):
-                return cand
-    return None

@@ -23,15 +23,13 @@ def test_issue_poll_ack_round_trip(tmp_path):
     assert got.total_microbatches == 32
     assert ctl.poll() is None                     # unchanged: nothing new
     ctl.announce(microbatches=8, world=4)
-    assert w.acks() == {1: 0}
+    assert {r: d["seq"] for r, d in w.ack_docs().items()} == {1: 0}
     ctl.ack(got, microbatches=6)
-    assert w.acks() == {1: 1}
+    assert {r: d["seq"] for r, d in w.ack_docs().items()} == {1: 1}
     doc = w.ack_docs()[1]
     assert doc["microbatches"] == 6 and doc["world"] == 4 and doc["dp_rank"] == 1
     (tmp_path / "control.json.ack.7").write_text("[1, 2]")     # garbage is ignored
-    assert w.acks() == {1: 1}
-    w.clear_acks()
-    assert w.acks() == {}
+    assert {r: d["seq"] for r, d in w.ack_docs().items()} == {1: 1}
     assert oct(os.stat(path).st_mode & 0o777) == "0o644"
     p2 = w.issue("none", reason="recovered")
     assert ctl.poll() == p2 and p2.seq == 2
@@ -120,7 +118,8 @@ def test_demo_trainer_follows_a_plan(ddp_job, tmp_path):
     wait_for(lambda: len(job.truth_records()) >= 10, 120, "the job to train")
     w = ControlWriter(path)
     plan = w.issue("rebalance_microbatches", microbatches={0: 6, 1: 2}, reason="test")
-    wait_for(lambda: w.acks() == {0: plan.seq, 1: plan.seq}, 60, "both ranks to ack")
+    wait_for(lambda: {r: d["seq"] for r, d in w.ack_docs().items()} == {0: plan.seq, 1: plan.seq},
+             60, "both ranks to ack")
     wait_for(lambda: [r for r in job.truth_records() if r["microbatches"] != 4], 60, "new counts")
     after = [r for r in job.truth_records() if r["microbatches"] != 4]
     assert {r["rank"]: r["microbatches"] for r in after} == {0: 6, 1: 2}

@@ -3,7 +3,14 @@ one rank computing slower (the others wait for it), every rank's
 collectives slower, and changes that fit neither."""
 import random
 
-from greyhound_bpf.diagnosis.passive import PassiveDiagnoser
+from greyhound_bpf.diagnosis import passive
+
+
+class PassiveDiagnoser(passive.PassiveDiagnoser):
+    """The diagnoser, its verdicts as `diagnosis` event fields."""
+
+    def observe(self, ev):
+        return [v.fields() for v in super().observe(ev)]
 
 STEP = 3 * 10**8          # ns per iteration: 10 iterations outlast min_lasted_s (2 s)
 
@@ -117,22 +124,22 @@ def test_slowdown_during_validation_activity_waits_for_it_to_end():
     # Validation workers busy from iteration 29 to 60: a slowdown that began
     # meanwhile is judged on the iterations from 60 (+ 2 s), once it is over.
     d = PassiveDiagnoser()
-    d.busy.append([29 * STEP, None])
+    d.activity.update("v", "workers", 29 * STEP, None)
     feed(d, 30, [20] * 4, [10] * 4)
     d.observe(slowdown(30))
     assert feed(d, 30, [20, 20, 40, 20], [30, 30, 10, 30], start=30) == []   # still busy
-    d.busy[-1][1] = 60 * STEP
+    d.activity.update("v", "workers", d.activity.spans[-1].start_ns, 60 * STEP)
     out = feed(d, 30, [20, 20, 40, 20], [30, 30, 10, 30], start=60)
     assert [v["cause"] for v in out] == ["computation"] and out[0]["ranks"] == [2]
     assert out[0]["details"]["after_validation_from_ns"] == 60 * STEP + 2 * 10**9
     # One that recovers before our activity ends gets no verdict at all.
     d2 = PassiveDiagnoser()
-    d2.busy.append([29 * STEP, None])
+    d2.activity.update("v", "workers", 29 * STEP, None)
     feed(d2, 30, [20] * 4, [10] * 4)
     d2.observe(slowdown(30))
     feed(d2, 5, [20, 20, 40, 20], [30, 30, 10, 30], start=30)
     d2.observe({"kind": "recovery", "scope": "job", "index": 35})
-    d2.busy[-1][1] = 36 * STEP
+    d2.activity.update("v", "workers", d2.activity.spans[-1].start_ns, 36 * STEP)
     assert feed(d2, 30, [20] * 4, [10] * 4, start=35) == []
 
 
@@ -144,9 +151,9 @@ def test_validation_that_starts_just_after_the_onset_is_waited_for():
     feed(d, 30, [20] * 4, [10] * 4)
     d.observe(slowdown(30))
     assert feed(d, 5, [20] * 4, [25] * 4, start=30) == []     # 1.5 s after the onset
-    d.busy.append([33 * STEP, None])
+    d.activity.update("v", "workers", 33 * STEP, None)
     assert feed(d, 20, [20] * 4, [25] * 4, start=35) == []    # busy
-    d.busy[-1][1] = 55 * STEP
+    d.activity.update("v", "workers", d.activity.spans[-1].start_ns, 55 * STEP)
     out = feed(d, 20, [20] * 4, [10] * 4, start=55)
     assert [v["cause"] for v in out] == ["unknown"], out           # it was ours
     assert out[0]["details"]["after_validation_from_ns"] == 55 * STEP + 2 * 10**9

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mitigation.resplit import ResplitError, remap_link, resplit
+from mitigation.resplit import ResplitError, resplit
 from mitigation.rebalance import solve
 
 
@@ -53,25 +53,3 @@ def test_resplit_bad_input():
         resplit([1.0], [2, 2])
     with pytest.raises(ResplitError):
         resplit([1.0, 1.0], [0, 2])
-
-
-def test_remap_moves_slow_link_off_pipeline_edges():
-    grid = [[0, 1, 2, 3], [4, 5, 6, 7]]      # two replicas of a 4-stage pipeline
-    new = remap_link(grid, (1, 2))
-    assert new is not None
-    assert sorted(r for row in new for r in row) == list(range(8))
-    for row in new:
-        for s in range(3):
-            assert {row[s], row[s + 1]} != {1, 2}
-    changed = sum(x != y for r1, r2 in zip(grid, new) for x, y in zip(r1, r2))
-    assert changed == 2                       # one swap
-    # Every rank keeps its stage (its layers and optimizer state stay valid).
-    for s in range(4):
-        assert {grid[p][s] for p in range(2)} == {new[p][s] for p in range(2)}
-
-
-def test_remap_not_needed_or_impossible():
-    assert remap_link([[0, 1], [2, 3]], (0, 2)) is None      # a data-parallel edge
-    assert remap_link([[0, 1, 2]], (1, 2)) is None           # one replica: no swap
-    with pytest.raises(ResplitError):
-        remap_link([[0, 1]], (0, 9))

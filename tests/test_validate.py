@@ -10,7 +10,13 @@ import pytest
 from conftest import read_events, run_cli, wait_for
 from greyhound_bpf.probe.discovery import all_stats
 from greyhound_bpf.inject import CpuQuota, LinkRate
-from greyhound_bpf.diagnosis.rules import Result, decide, ring_edges, schedule
+from greyhound_bpf.diagnosis.rules import Result, ring_edges, schedule
+from greyhound_bpf.diagnosis.rules import decide as verdict
+
+
+def decide(res):
+    """The `diagnosis` event's fields of a verdict."""
+    return verdict(res).fields()
 from netbed import NetBed
 
 

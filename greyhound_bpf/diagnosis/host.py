@@ -118,19 +118,38 @@ def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
                   {k: env[k] for k in PASS_ENV if k in env})
 
 
+class SpanReport:
+    """Tells whoever analyses the job when an activity of ours that can
+    touch it (engine.activity.WHAT) begins and ends, on the analysis's
+    clock: `post(id, what, start_ns, end_ns)`, end_ns None at the start."""
+
+    def __init__(self, post, clock=time.time_ns):
+        self.post, self.clock = post, clock
+        self._n = 0
+
+    def begin(self, what: str) -> tuple:
+        """Returns the token that end() takes."""
+        self._n += 1
+        token = (f"{what}-{self._n}", what, self.clock())
+        self.post(*token, None)
+        return token
+
+    def end(self, token: tuple) -> None:
+        self.post(*token, self.clock())
+
+
 # -- the job's pause ------------------------------------------------------------
 
 class Pause:
     """SIGSTOP the ranks; SIGCONT them on exit, and from a watchdog process
     after `max_s` whatever happens to us (it runs in its own session)."""
 
-    def __init__(self, pids: list[int], max_s: float, windows: list | None = None):
+    def __init__(self, pids: list[int], max_s: float, report: SpanReport | None = None):
         self.pids, self.max_s = [p for p in pids if p], max_s
-        # [start, end) wall-clock ns (the clock of iteration events) appended
-        # to `windows`, end None while paused: a tracer skips the iterations
-        # they overlap.
-        self.windows = windows
-        self.window: list | None = None
+        # The pause's span, reported as it starts and ends: the analysis
+        # keeps the iterations it overlaps from every detector.
+        self.report = report
+        self.token = None
         self.watchdog: subprocess.Popen | None = None
         self.t0 = 0.0
         self.seconds = 0.0
@@ -143,9 +162,8 @@ class Pause:
             ["sh", "-c", f"sleep {self.max_s:.3f}; kill -CONT {cont} 2>/dev/null"],
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.t0 = time.monotonic()
-        if self.windows is not None:
-            self.window = [time.time_ns(), None]
-            self.windows.append(self.window)
+        if self.report is not None:
+            self.token = self.report.begin("pause")
         for p in self.pids:
             try:
                 os.kill(p, signal.SIGSTOP)
@@ -162,8 +180,8 @@ class Pause:
             except ProcessLookupError:
                 pass
         self.seconds = min(time.monotonic() - self.t0, self.max_s)
-        if self.window is not None:
-            self.window[1] = time.time_ns()
+        if self.token is not None:
+            self.report.end(self.token)
         if self.watchdog and self.watchdog.poll() is None:
             os.killpg(self.watchdog.pid, signal.SIGKILL)
             self.watchdog.wait()
@@ -238,9 +256,10 @@ class Busy:
                 pass
 
 
-def busy_since() -> int | None:
+def busy_since(exclude_pid: int | None = None) -> int | None:
     """Wall-clock ns since when validation has been busy on this machine, or
-    None when it is not."""
+    None when it is not; `exclude_pid`'s own activity left out (a tracer
+    knows its own spans)."""
     since = None
     try:
         files = list(Busy.directory().glob("*.json"))
@@ -250,6 +269,8 @@ def busy_since() -> int | None:
         try:
             doc = json.loads(f.read_text())
         except (OSError, ValueError):
+            continue
+        if exclude_pid is not None and int(doc.get("pid", 0)) == exclude_pid:
             continue
         if read_stat(int(doc.get("pid", 0))) is None:
             try:

@@ -23,11 +23,12 @@ after the onset with before it:
   grows in steps is judged from its first onset, then from each further
   step's onset until one names a cause: a fault that begins during a busy
   host's own slow episode is compared with that episode's level;
-- a slowdown that began while validation workers were starting or measuring
-  on this machine (`busy` windows) may be ours: that load slows some rank of
-  a busy host down for real. Its verdict waits until that activity is over
-  and is made from the iterations after it: a slowdown that recovers first
-  was ours and gets none; one that outlasts our activity is the job's.
+- a slowdown that began near Greyhound's own activity (engine.activity:
+  validation workers starting or measuring on this machine, an attach, a
+  plan being applied) may be ours: that load slows some rank of a busy host
+  down for real. Its verdict waits until that activity is over and is made
+  from the iterations after it: a slowdown that recovers first was ours and
+  gets none; one that outlasts our activity is the job's.
 
 The verdict is a ``diagnosis`` event with ``evidence: passive``. Medians
 over `window` iterations on each side of the onset; a verdict needs
@@ -42,6 +43,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from ..engine.activity import ActivityLog
+from ..events import is_speed_sample
+from .verdict import Diagnosis
 
 # A slowdown may be our own when it begins this close to validation activity.
 BUSY_BEFORE_NS, BUSY_AFTER_NS = 2_000_000_000, 2_000_000_000
@@ -81,13 +86,14 @@ def _medians(before: list, after: list) -> dict:
 
 class PassiveDiagnoser:
     def __init__(self, window: int = 16, min_after: int = 10, topology=None,
-                 min_lasted_s: float = 1.0, min_ratio: float = 1.10):
+                 min_lasted_s: float = 1.0, min_ratio: float = 1.10,
+                 activity: ActivityLog | None = None):
         self.window, self.min_after = window, min_after
         self.min_lasted_ns, self.min_ratio = int(min_lasted_s * 1e9), min_ratio
-        self.topology = topology           # greyhound_bpf.topology.Topology, optional
-        # [start, end) wall-clock ns of validation activity on this machine,
-        # end None while it lasts (kept up to date by the session)
-        self.busy: list[list] = []
+        self.topology = topology           # engine.topology.Topology, optional
+        # Greyhound's own activity (shared with the pipeline that marks
+        # the iterations it disturbed).
+        self.activity = activity if activity is not None else ActivityLog()
         self.ranks: dict[int, _Series] = {}
         self.onset_ns: int | None = None
         self.slowdown: dict | None = None
@@ -95,11 +101,10 @@ class PassiveDiagnoser:
         self.steps: list[dict] = []            # further job slowdown steps, not yet judged
         self.done = False
 
-    def observe(self, ev: dict) -> list[dict]:
-        """Returns the fields of `diagnosis` events to emit."""
+    def observe(self, ev: dict) -> list[Diagnosis]:
+        """Returns the verdicts (`diagnosis` events) to emit."""
         kind = ev["kind"]
-        if kind == "iteration" and ev.get("rank") is not None and not ev.get("paused") \
-                and not ev.get("settling"):
+        if is_speed_sample(ev):
             rank = int(ev["rank"])
             s = self.ranks.setdefault(rank, _Series())
             s.rows.append((ev["start_ns"], ev["dur_ns"] / 1e6, ev["compute_ns"] / 1e6,
@@ -124,11 +129,10 @@ class PassiveDiagnoser:
             out = self._try()
             if not out:
                 self.done = True
-                out = [{"evidence": "passive", "index": self.slowdown["index"], "ranks": [],
-                        "communicator": None, "link": None, "cause": "unknown",
-                        "details": {"plan_seq": ev.get("seq")},
-                        "reason": "a mitigation plan changed the ranks' work before the "
-                                  "evidence was enough; validation measures it"}]
+                out = [Diagnosis("passive", "unknown",
+                                 "a mitigation plan changed the ranks' work before the "
+                                 "evidence was enough; validation measures it",
+                                 self.slowdown["index"], details={"plan_seq": ev.get("seq")})]
             return out
         if kind == "recovery" and ev.get("scope") == "job":
             out = []
@@ -153,23 +157,24 @@ class PassiveDiagnoser:
 
     def _after_busy(self) -> int | None:
         """Where the `after` iterations may start: the onset, or the end (plus
-        a margin) of any validation activity since shortly before it, which
-        may have slowed the job itself; None while some still goes on."""
+        a margin) of any activity of ours since shortly before it, which may
+        have slowed the job itself; None while some still goes on."""
         from_ns = self.onset_ns
-        for _b, e in self.busy:
-            if e is None:
+        for span in self.activity.near(self.onset_ns, BUSY_BEFORE_NS):
+            if span.what == "plan":
+                continue              # judged on its own (`applied`)
+            if span.end_ns is None:
                 return None
-            if e + BUSY_AFTER_NS >= self.onset_ns - BUSY_BEFORE_NS:
-                from_ns = max(from_ns, e + BUSY_AFTER_NS)
+            from_ns = max(from_ns, span.end_ns + BUSY_AFTER_NS)
         return from_ns
 
-    def _try(self) -> list[dict]:
+    def _try(self) -> list[Diagnosis]:
         out = self._judge()
         # An unknown verdict on the first step defers to the next step's own
         # onset (its before-window is the first step's level), if it began
         # before the evidence ends: each step gets a verdict until one names a
         # cause or none is left.
-        while out and out[0]["cause"] == "unknown" and self.steps:
+        while out and not out[0].named and self.steps:
             step = self.steps.pop(0)
             if self.until_ns is not None and int(step["onset_ns"]) >= self.until_ns:
                 continue
@@ -180,7 +185,7 @@ class PassiveDiagnoser:
                 out, self.done = earlier, True      # too little evidence left: it stands
         return out
 
-    def _judge(self) -> list[dict]:
+    def _judge(self) -> list[Diagnosis]:
         from_ns = self._after_busy()
         if from_ns is None:
             return []
@@ -196,12 +201,12 @@ class PassiveDiagnoser:
                 # A drift found long after it began: the iterations before
                 # its onset are no longer kept, and never will be again.
                 self.done = True
-                return [{"evidence": "passive", "index": self.slowdown["index"], "ranks": [],
-                         "communicator": None, "link": None, "cause": "unknown",
-                         "details": {"onset_ns": self.onset_ns, "oldest_kept_ns": s.rows[0][0]},
-                         "reason": "the slowdown began before the oldest iteration kept "
-                                   f"({s.rows.maxlen} per rank): nothing to compare it with; "
-                                   "validation measures it"}]
+                return [Diagnosis("passive", "unknown",
+                                  "the slowdown began before the oldest iteration kept "
+                                  f"({s.rows.maxlen} per rank): nothing to compare it with; "
+                                  "validation measures it", self.slowdown["index"],
+                                  details={"onset_ns": self.onset_ns,
+                                           "oldest_kept_ns": s.rows[0][0]})]
             last = s.rows[-1][0] if self.until_ns is None else self.until_ns
             if (len(before) < self.min_after or len(after) < self.min_after
                     or last < from_ns + self.min_lasted_ns):
@@ -211,57 +216,60 @@ class PassiveDiagnoser:
         if len(per) < 2:
             return []
         self.done = True
-        out = self._classify(per, from_ns)
-        v = out[0]
-        if v["cause"] == "unknown":
-            return out
+        v = self._classify(per, from_ns)
+        if not v.named:
+            return [v]
         # A fault lasts; a busy host's episodes pass. The verdict must hold
         # over the latest iterations too (seconds later: the verdict waits
         # BUSY_BEFORE_NS), or it is not named.
-        again = self._classify(late, from_ns)[0]
-        if (again["cause"], again["ranks"], again["link"]) == (v["cause"], v["ranks"], v["link"]):
-            return out
-        v["details"]["latest"] = {str(r): {k: round(x, 3) for k, x in p.items() if "after" in k}
-                                  for r, p in sorted(late.items())}
-        return [{**v, "cause": "unknown", "ranks": [], "communicator": None, "link": None,
-                 "reason": f"at first {v['reason']}, but over the latest {self.window} "
-                           f"iterations: {again['reason']}; a passing episode is no fault "
-                           "(validation measures it)"}]
+        again = self._classify(late, from_ns)
+        if (again.cause, again.ranks, again.link) == (v.cause, v.ranks, v.link):
+            return [v]
+        details = {**v.details, "latest": {
+            str(r): {k: round(x, 3) for k, x in p.items() if "after" in k}
+            for r, p in sorted(late.items())}}
+        return [v.but(cause="unknown", ranks=(), communicator=None, link=None, details=details,
+                      reason=f"at first {v.reason}, but over the latest {self.window} "
+                             f"iterations: {again.reason}; a passing episode is no fault "
+                             "(validation measures it)")]
 
-    def _classify(self, per: dict, from_ns: int) -> list[dict]:
+    def _classify(self, per: dict, from_ns: int) -> Diagnosis:
         delta = statistics.median(p["iter_after_ms"] - p["iter_before_ms"] for p in per.values())
         d_comp = {r: p["compute_after_ms"] - p["compute_before_ms"] for r, p in per.items()}
         d_comm = {r: p["comm_after_ms"] - p["comm_before_ms"] for r, p in per.items()}
         details = {"slowdown_ms": round(delta, 3),
                    "ranks": {str(r): {k: round(v, 3) for k, v in p.items()}
                              for r, p in sorted(per.items())}}
-        out = {"evidence": "passive", "index": self.slowdown["index"], "details": details,
-               "ranks": [], "communicator": None, "link": None}
         if from_ns != self.onset_ns:
             details["after_validation_from_ns"] = from_ns
+
+        def verdict(cause, reason, ranks=(), communicator=None, link=None):
+            return Diagnosis("passive", cause, reason, self.slowdown["index"], tuple(ranks),
+                             communicator, link, details)
         before_ms = statistics.median(p["iter_before_ms"] for p in per.values())
         if delta <= 0 or delta < (self.min_ratio - 1) * before_ms:
             details["below_min_ratio"] = True
-            return [{**out, "cause": "unknown",
-                     "reason": f"over these windows the job is only {delta:+.1f} ms per iteration "
-                               f"slower (under {100 * (self.min_ratio - 1):.0f}%)"}]
-        if delta < (NAME_RATIO - 1) * before_ms:
-            return [{**out, "cause": "unknown",
-                     "reason": f"{delta:.1f} ms per iteration ({100 * delta / before_ms:.0f}%) is "
-                               f"too small to name from timing alone on a shared host (under "
-                               f"{100 * (NAME_RATIO - 1):.0f}%); validation measures it"}]
+            return verdict("unknown", f"over these windows the job is only {delta:+.1f} ms per "
+                           f"iteration slower (under {100 * (self.min_ratio - 1):.0f}%)")
         grew = [r for r, d in d_comp.items() if d >= STRAGGLER_SHARE * delta
                 and d >= REL_GROW * per[r]["compute_before_ms"]]
+        # No one rank stands out: the host, the whole job or a whole
+        # communicator (validation.planner validates those only if they last).
+        details["uniform"] = len(grew) != 1
+        if delta < (NAME_RATIO - 1) * before_ms:
+            return verdict("unknown", f"{delta:.1f} ms per iteration ({100 * delta / before_ms:.0f}%)"
+                           " is too small to name from timing alone on a shared host (under "
+                           f"{100 * (NAME_RATIO - 1):.0f}%); validation measures it")
         if len(grew) == 1:
             s = grew[0]
             others = [r for r in per if r != s]
             # ...the others wait for it, and longer than it waits for them.
             if all(d_comm[r] >= GROW * delta and d_comp[r] < FLAT * delta
                    and d_comm[r] > d_comm[s] for r in others):
-                return [{**out, "cause": "computation", "ranks": [s],
-                         "reason": f"rank {s}'s compute grew {d_comp[s]:.1f} ms per iteration "
-                                   f"while the others waited {statistics.median(d_comm[r] for r in others):.1f} ms "
-                                   "longer in collectives"}]
+                waited = statistics.median(d_comm[r] for r in others)
+                return verdict("computation", f"rank {s}'s compute grew {d_comp[s]:.1f} ms per "
+                               f"iteration while the others waited {waited:.1f} ms longer in "
+                               "collectives", [s])
         waited = sorted(r for r, d in d_comm.items() if d >= GROW * delta)
         flat = all(d < FLAT * delta for d in d_comp.values())
         topo = self.topology.fields() if self.topology is not None else None
@@ -270,23 +278,19 @@ class PassiveDiagnoser:
             ratio = statistics.median(p["comm_after_ms"] / max(p["comm_before_ms"], 1e-3)
                                       for p in per.values())
             if ratio < COMM_RATIO:
-                return [{**out, "cause": "unknown",
-                         "reason": f"every rank waits x{ratio:.2f} as long in collectives: under "
-                                   f"x{COMM_RATIO:.0f}, which a busy host's scheduling alone can "
-                                   "cause; validation measures the links"}]
+                return verdict("unknown", f"every rank waits x{ratio:.2f} as long in collectives:"
+                               f" under x{COMM_RATIO:.0f}, which a busy host's scheduling alone "
+                               "can cause; validation measures the links")
             comm = self.topology.communicator_of(waited) if topo else None
             where = f" of {comm['name']}" if comm else ""
-            return [{**out, "cause": "communication", "ranks": waited,
-                     "communicator": comm["name"] if comm else None,
-                     "reason": f"time in collectives{where} grew "
-                               f"{statistics.median(d_comm.values()):.1f} ms per iteration on "
-                               "every rank; compute stayed flat"}]
+            return verdict("communication", f"time in collectives{where} grew "
+                           f"{statistics.median(d_comm.values()):.1f} ms per iteration on every "
+                           "rank; compute stayed flat", waited, comm["name"] if comm else None)
         if flat and topo and len(waited) == 2 and waited in topo["p2p_edges"]:
             a, b = waited
-            return [{**out, "cause": "communication", "ranks": waited, "link": f"{a}<->{b}",
-                     "reason": f"only ranks {a} and {b}, the ends of a pipeline edge, wait "
-                               f"longer ({d_comm[a]:.1f} and {d_comm[b]:.1f} ms per iteration);"
-                               " compute stayed flat"}]
-        return [{**out, "cause": "unknown",
-                 "reason": "neither one rank's compute nor every rank's communication "
-                           "accounts for the slowdown"}]
+            details["uniform"] = False
+            return verdict("communication", f"only ranks {a} and {b}, the ends of a pipeline "
+                           f"edge, wait longer ({d_comm[a]:.1f} and {d_comm[b]:.1f} ms per "
+                           "iteration); compute stayed flat", waited, link=f"{a}<->{b}")
+        return verdict("unknown", "neither one rank's compute nor every rank's communication "
+                       "accounts for the slowdown")

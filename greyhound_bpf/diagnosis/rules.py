@@ -35,6 +35,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from .verdict import Diagnosis
+
 SLOW_RATIO = 1.5             # devices
 LINK_SLOW_RATIO = 2.0        # a rank's link (every edge of the rank)
 EDGE_SLOW_RATIO = 3.0        # one edge alone
@@ -147,8 +149,8 @@ def link_name(edge: tuple[int, int]) -> str:
     return f"{edge[0]}<->{edge[1]}"
 
 
-def decide(res: Result) -> dict:
-    """A `diagnosis` event's fields from the measurements (evidence: validation)."""
+def decide(res: Result, index: int | None = None) -> Diagnosis:
+    """The verdict of the measurements (evidence: validation)."""
     gemm = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
     rtt = {e: d["rtt_ms"] for e, d in res.links.items()}
     details = {
@@ -164,8 +166,6 @@ def decide(res: Result) -> dict:
                        "edge_slow_ratio": EDGE_SLOW_RATIO,
                        "robust_z": ROBUST_Z, "mad_floor": MAD_FLOOR},
     }
-    out = {"evidence": "validation", "details": details, "ranks": [], "link": None,
-           "communicator": None}
     causes = []
     ref, _, slow_dev = outliers(gemm) if len(gemm) >= 2 else (None, None, {})
     if ref is not None:
@@ -196,12 +196,13 @@ def decide(res: Result) -> dict:
                            + " the reference round trip; both ends' other edges are fast"))
     if len(causes) == 1:
         cause, ranks, link, reason = causes[0]
-        return {**out, "cause": cause, "ranks": ranks, "link": link, "reason": reason}
+        return Diagnosis("validation", cause, reason, index, tuple(ranks), link=link,
+                         details=details)
     if len(causes) > 1:
-        return {**out, "cause": "unknown", "ranks": sorted({r for c in causes for r in c[1]}),
-                "link": next((c[2] for c in causes if c[2]), None),
-                "reason": "both a device and a link measure slow: " +
-                          "; ".join(c[3] for c in causes)}
+        return Diagnosis("validation", "unknown", "both a device and a link measure slow: "
+                         + "; ".join(c[3] for c in causes), index,
+                         tuple(sorted({r for c in causes for r in c[1]})),
+                         link=next((c[2] for c in causes if c[2]), None), details=details)
     what = []
     if gemm:
         what.append(f"{len(gemm)} device(s)")
@@ -211,7 +212,7 @@ def decide(res: Result) -> dict:
               else "nothing could be measured")
     if res.untested:
         reason += f"; not tested: {'; '.join(res.untested)}"
-    return {**out, "cause": "unknown", "reason": reason}
+    return Diagnosis("validation", "unknown", reason, index, details=details)
 
 
 def edges_of(topology: dict | None, ranks: list[int]) -> list[tuple[int, int]]:

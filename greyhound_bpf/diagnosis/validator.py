@@ -42,9 +42,9 @@ from pathlib import Path
 
 from .. import GreyhoundError
 from ..probe.discovery import read_stat, threads_of
-from .host import (PASS_ENV, PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, cgroups_of, gpu_count,
-                   member_of)
-from .rules import Result, decide, link_name, link_suspects, outliers, ring_edges, schedule
+from .host import (PASS_ENV, PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport,
+                   cgroups_of, gpu_count, member_of)
+from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
 
 P2P_BYTES = 4 << 20
 P2P_BYTES_GPU = 64 << 20     # NVLink/InfiniBand: launch overhead would dominate 4 MiB
@@ -207,7 +207,7 @@ class Validator:
     def __init__(self, members: list[Member], edges: list[tuple[int, int]] | None = None,
                  pause: bool = True, pause_max_s: float = PAUSE_MAX_S,
                  start_timeout_s: float = START_TIMEOUT_S, progress=None,
-                 pause_windows: list | None = None, python: str = sys.executable):
+                 report: SpanReport | None = None, python: str = sys.executable):
         if len(members) < 1:
             raise GreyhoundError("nothing to validate: no ranks")
         self.members = sorted(members, key=lambda m: m.rank)
@@ -220,7 +220,9 @@ class Validator:
         self.pause, self.pause_max_s = pause, pause_max_s
         self.start_timeout_s = start_timeout_s
         self.progress = progress or (lambda msg: None)
-        self.pause_windows = pause_windows
+        # Our activity that touches the job (workers starting, pauses),
+        # reported with its span to whoever analyses the job.
+        self.report = report
         self.python = python
         self.workers: dict[int, _Worker] = {}
         self.ready: list[int] = []
@@ -259,7 +261,12 @@ class Validator:
                                     "busy for 120 s")
                 self.ready = []
             else:
-                self.ready = self._start(res)
+                token = self.report.begin("workers") if self.report else None
+                try:
+                    self.ready = self._start(res)
+                finally:
+                    if token:
+                        self.report.end(token)
         return res.untested
 
     def alive(self) -> bool:
@@ -269,7 +276,7 @@ class Validator:
     def measure(self, edges: list[tuple[int, int]] | None = None) -> Result:
         """Pause the job, GEMM per device, p2p per edge, resume. Workers
         stay up for the next call unless a step failed (then `broken`)."""
-        res = Result(measured_at_ns=time.time_ns())
+        res = Result(measured_at_ns=self.report.clock() if self.report else time.time_ns())
         t0 = time.monotonic()
         if edges is not None:
             self.edges = edges
@@ -286,7 +293,7 @@ class Validator:
         try:
             if ready:
                 pids = [m.pid for m in self.members if m.pid] if self.pause else []
-                pause = Pause(pids, self.pause_max_s, self.pause_windows)
+                pause = Pause(pids, self.pause_max_s, self.report)
                 with pause:
                     self._gemms(ready, res)
                     if len(ready) == len(self.members):
@@ -426,7 +433,7 @@ class Validator:
         time.sleep(CONFIRM_AFTER_S)
         if self.cancelled:
             return
-        pause = Pause(pids, self.pause_max_s, self.pause_windows)
+        pause = Pause(pids, self.pause_max_s, self.report)
         with pause:
             if devices:
                 gpus, secs = self._gemm_seconds(ready)
@@ -537,46 +544,36 @@ def precheck_members(world: int) -> list[Member]:
 # -- a warm pool for a live job -----------------------------------------------------
 
 class Service:
-    """Validation for `attach`: one background thread that keeps a pool of
-    workers for the job's current ranks (started once, then idle: blocked
-    on a pipe, SCHED_IDLE) and measures on request. Starting workers costs
-    CPU seconds (importing torch); doing it at every slowdown would slow
-    the job down at the worst moment, and add that start to the time to a
-    validated diagnosis. The pool is rebuilt when the ranks change.
+    """Validation for `attach`: one background thread that measures on
+    request. Workers for the job's ranks are started at the first request
+    (importing torch costs CPU seconds: a healthy job never pays them) and
+    kept idle afterwards (blocked on a pipe, SCHED_IDLE); they are started
+    again when the ranks change or one died.
 
-    Every call is from the tracer's thread and never blocks it; results and
-    progress come back through `post(kind, doc)`."""
+    Calls come from the tracer's thread and never block it; what happens
+    comes back through `post(kind, payload)`: ("activity", (id, what,
+    start_ns, end_ns)) for our spans, ("progress", text), and ("result",
+    (request id, Result)) once a request is measured."""
 
-    def __init__(self, post, pause_max_s: float = PAUSE_MAX_S,
-                 pause_windows: list | None = None):
+    def __init__(self, post, clock, pause_max_s: float = PAUSE_MAX_S,
+                 python: str = sys.executable):
         import queue
         import threading
-        self.post = post
-        self.pause_max_s, self.pause_windows = pause_max_s, pause_windows
+        self.post, self.pause_max_s, self.python = post, pause_max_s, python
+        self.report = SpanReport(lambda *span: post("activity", span), clock)
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.key: tuple | None = None          # the (rank, pid) set the pool is for
         self.pool: Validator | None = None
-        self.pending = 0                       # measurements asked for, not done
         self.closing = False
         self.thread = threading.Thread(target=self._run, name="greyhound-validate",
                                        daemon=True)
         self.thread.start()
 
-    def keep(self, members: list[Member]) -> None:
-        """Have a pool for these ranks (rebuilt if they changed)."""
-        key = tuple(sorted((m.rank, m.pid) for m in members))
-        if key != self.key and len(members) >= 2:
-            self.key = key
-            self.tasks.put(("build", members))
-
-    def request(self, index: int, edges: list[tuple[int, int]]) -> bool:
-        """Measure once the pool is up. False when one is already waiting
-        (it will report on the same slowdown episode)."""
-        if self.pending:
-            return False
-        self.pending += 1
-        self.tasks.put(("measure", (index, edges)))
-        return True
+    def request(self, request_id: int, members: list[Member],
+                edges: list[tuple[int, int]]) -> None:
+        """Measure these ranks' devices and these edges (workers started
+        first, if need be); the result is posted."""
+        self.tasks.put(("measure", (request_id, members, edges)))
 
     def close(self) -> None:
         self.closing = True
@@ -592,33 +589,32 @@ class Service:
                 if self.pool is not None:
                     self.pool.close()
                 return
+            request_id = arg[0]
             try:
-                if what == "build":
-                    self._build(arg)
-                elif what == "measure":
-                    self._measure(*arg)
+                res = self._measure(*arg)
             except Exception as e:              # never take the tracer down
                 self.post("progress", f"validation failed: {type(e).__name__}: {e}")
-            finally:
-                if what == "measure":
-                    self.pending -= 1
+                res = Result(untested=[f"everything: {type(e).__name__}: {e}"])
+            if not self.closing:
+                self.post("result", (request_id, res))
 
-    def _build(self, members: list[Member]) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        self.pool = Validator(members, pause_max_s=self.pause_max_s,
-                              pause_windows=self.pause_windows,
-                              progress=lambda msg: self.post("progress", msg))
-        self.untested = self.pool.start()
-        if self.pool.ready:
-            self.post("progress", f"{len(self.pool.ready)} validation workers ready (idle)")
-
-    def _measure(self, index: int, edges: list[tuple[int, int]]) -> None:
+    def _measure(self, request_id: int, members: list[Member],
+                 edges: list[tuple[int, int]]) -> Result:
+        key = tuple(sorted((m.rank, m.pid) for m in members))
         pool = self.pool
-        if pool is not None and (pool.broken or not pool.alive()) and not self.closing:
-            self._build(pool.members)           # a worker died or a step failed
-            pool = self.pool
-        res = pool.measure(edges) if pool is not None and pool.ready else Result(
-            untested=list(getattr(self, "untested", [])) or ["no validation workers"])
-        if not self.closing:
-            self.post("done", {**decide(res), "index": index})
+        if pool is None or key != self.key or pool.broken or not pool.alive():
+            if pool is not None:
+                pool.close()
+            self.key = key
+            self.pool = pool = Validator(members, pause_max_s=self.pause_max_s,
+                                         report=self.report, python=self.python,
+                                         progress=lambda msg: self.post("progress", msg))
+            untested = pool.start()
+            if not pool.ready:
+                return Result(untested=untested or ["no validation workers"])
+            self.post("progress", f"{len(pool.ready)} validation workers ready")
+        else:
+            untested = []
+        res = pool.measure(edges)
+        res.untested = untested + res.untested
+        return res

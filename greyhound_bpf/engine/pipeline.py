@@ -2,9 +2,10 @@
 
 One IterationEstimator and one SlowdownDetector per rank, and a job-level
 SlowdownDetector fed with the median of the ranks' latest iteration times.
-Used the same way by `attach` (live tracer batches) and `replay` (a recorded
-JSON-lines file), so both produce the same events from the same calls.
-Event times are the data's own times, which makes a replay deterministic.
+Iterations that Greyhound's own activity overlapped (engine.activity) are
+reported with `disturbed` and kept from the detectors. Part of JobAnalysis,
+which `attach`, `replay` and the cluster controller all run; event times are
+the data's own times, which makes a replay deterministic.
 """
 from __future__ import annotations
 
@@ -14,8 +15,35 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..probe.catalog import FIELD_SLOT0, Catalog
-from . import (ChangePoint, IterationEstimator, IterationRecord, PatternChange,
-                     SlowdownDetector)
+from .activity import ActivityLog
+from .detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD, ChangePoint, SlowdownDetector
+from .iterations import IterationEstimator, IterationRecord, PatternChange
+
+
+# The v1 flags of two kinds of disturbance, still written beside `disturbed`.
+LEGACY_FLAG = {"pause": "paused", "attach": "settling"}
+
+
+class FedLog:
+    """(iteration index, start_ns) of each detector input, by input position,
+    the latest `keep` only: a detector never looks further back
+    (SlowdownDetector.MAX_KEPT), and a job runs for days."""
+
+    def __init__(self, keep: int = 2 * SlowdownDetector.MAX_KEPT):
+        self.keep, self.base, self.items = keep, 0, []
+
+    def append(self, item: tuple[int, int]) -> None:
+        self.items.append(item)
+        if len(self.items) > 2 * self.keep:
+            drop = len(self.items) - self.keep
+            del self.items[:drop]
+            self.base += drop
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return self.items[i - self.base]
+
+    def __len__(self) -> int:
+        return self.base + len(self.items)
 
 
 @dataclass
@@ -26,13 +54,13 @@ class RankState:
     detector: SlowdownDetector
     types: dict = field(default_factory=dict)   # (fn, comm) -> call type id
     last: IterationRecord | None = None
-    fed: list = field(default_factory=list)     # (iteration index, start_ns) per detector input
+    fed: FedLog = field(default_factory=FedLog)  # (iteration index, start_ns) per detector input
 
 
 class JobPipeline:
-    def __init__(self, catalog: Catalog, *, threshold: float = 0.10,
-                 min_probability: float = 0.9, estimator_args: dict | None = None,
-                 settle_until_ns: int = 0):
+    def __init__(self, catalog: Catalog, *, threshold: float = SLOWDOWN_THRESHOLD,
+                 min_probability: float = MIN_PROBABILITY, estimator_args: dict | None = None,
+                 activity: ActivityLog | None = None):
         self.catalog = catalog
         self.threshold = threshold
         self.min_probability = min_probability
@@ -40,16 +68,10 @@ class JobPipeline:
         self.ranks: dict[int, RankState] = {}
         self.job_detector = SlowdownDetector(scope="job", threshold=threshold,
                                              min_probability=min_probability)
-        self._job_fed: list[tuple[int, int]] = []  # leader's (index, start_ns) per job input
-        # [start, end) wall-clock ns (iterations' clock) while validation paused the job
-        # (end None while it still is): iterations overlapping them are
-        # reported but not fed to the detectors, so a pause is no slowdown.
-        self.pauses: list[list] = []
-        # Iterations that start before this (wall-clock ns) are reported but
-        # not fed to the detectors: attaching uprobes and the tracer's own
-        # start-up slow a job on a small host for a moment, and a detector
-        # must not take that for a baseline or a slowdown (live attach only).
-        self.settle_until_ns = settle_until_ns
+        self._job_fed = FedLog()                    # leader's (index, start_ns) per job input
+        # Greyhound's own activity: iterations overlapping it are reported
+        # but not fed to the detectors (our load is no slowdown of the job's).
+        self.activity = activity if activity is not None else ActivityLog()
         n = len(catalog.functions)
         self._comm_slot = np.full(n, -1, dtype=np.int64)
         self._count_slot = np.full(n, -1, dtype=np.int64)
@@ -118,27 +140,23 @@ class JobPipeline:
                 out.append(("pattern", item.fields(), item.at_ns))
                 continue
             # Reported, but not the job's speed: kept from the detectors.
-            skip = "paused" if self._paused(item) else \
-                "settling" if item.start_ns < self.settle_until_ns else None
-            if skip != "paused":
-                rs.last = item
+            span = self.activity.disturbing(item.start_ns, item.start_ns + item.dur_ns)
             f = item.fields()
-            if skip:
-                f[skip] = True
+            if span is not None:
+                f["disturbed"] = span.what
+                legacy = LEGACY_FLAG.get(span.what)
+                if legacy:
+                    f[legacy] = True
             out.append(("iteration", f, item.start_ns + item.dur_ns))
-            if skip:
+            if span is not None:
                 continue
+            rs.last = item
             rs.fed.append((item.index, item.start_ns))
             cp = rs.detector.update(item.dur_ns / 1e6)
             if cp:
                 out.append(self._change(cp, rs.rank, item, rs.fed))
             out += self._job_step(rs, item)
         return out
-
-    def _paused(self, item: IterationRecord) -> bool:
-        end = item.start_ns + item.dur_ns
-        return any(item.start_ns < (e if e is not None else end + 1) and end > s
-                   for s, e in self.pauses[-8:])
 
     # -- job level ------------------------------------------------------------------
 
@@ -161,7 +179,7 @@ class JobPipeline:
         cp = self.job_detector.update(dur_ms)
         return [self._change(cp, None, item, self._job_fed)] if cp else []
 
-    def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: list):
+    def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: FedLog):
         # Detector positions -> the iteration indices of `iteration` events,
         # and the wall-clock start of the first iteration of the new level.
         fields = cp.fields()
@@ -172,6 +190,11 @@ class JobPipeline:
         return (cp.kind, fields, item.start_ns + item.dur_ns)
 
     # -- state for summaries -------------------------------------------------------
+
+    @property
+    def job_iterations(self) -> int:
+        """Job-level iterations measured so far (speed samples of the leader)."""
+        return len(self._job_fed)
 
     def rank_view(self, key: int) -> dict:
         rs = self.ranks.get(key)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from .. import GreyhoundError
+from ..events import is_speed_sample
 
 
 class Metrics:
@@ -52,6 +53,8 @@ class Metrics:
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "iteration":
+            if not is_speed_sample(ev):
+                return
             self.iteration.labels(rank=str(ev["rank"])).set(ev["dur_ns"] / 1e9)
             self.straggler.labels(rank=str(ev["rank"]))      # every rank appears, at 0
         elif kind in ("slowdown", "recovery"):

@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..probe.catalog import Catalog
+from .text import safe  # noqa: F401  (re-exported)
 
 
-def safe(text: str, width: int | None = None) -> str:
-    """Printable form of an untrusted string (no escape sequences)."""
-    out = "".join(c if c.isprintable() else "?" for c in text)
-    return out[:width] if width else out
 
 
 @dataclass

@@ -1,10 +1,23 @@
 """One line of text per event, for the text output and the live view's log.
-Every string that came from the target is made printable first."""
+Every line is made printable (no escape sequences): process names, symbol
+names and workers' error messages come from outside the tool."""
 from __future__ import annotations
 
 
-def describe_engine_event(kind: str, f: dict) -> str:
-    """One line for the text output."""
+def safe(text: str, width: int | None = None) -> str:
+    """Printable form of an untrusted string (no escape sequences)."""
+    out = "".join(c if c.isprintable() else "?" for c in text)
+    return out[:width] if width else out
+
+
+def describe(f: dict) -> str | None:
+    """One line for an event; None for the kinds that get no line of their
+    own (iterations, calls: the summaries and the view show those)."""
+    line = _line(f["kind"], f)
+    return None if line is None else safe(line)
+
+
+def _line(kind: str, f: dict) -> str | None:
     who = "job" if f.get("scope") == "job" else f"rank {f.get('rank')}"
     if kind in ("slowdown", "recovery"):
         return (f"{kind.upper()} {who} from iteration {f['index']}: {f['before_ms']:.1f} -> "
@@ -23,6 +36,11 @@ def describe_engine_event(kind: str, f: dict) -> str:
         if f.get("link"):
             who = f" link {f['link']}"
         return f"DIAGNOSIS ({f['evidence']}) {f['cause']}{who}: {f['reason']}"
+    if kind == "validation":
+        if f.get("phase") == "request":
+            return (f"VALIDATE {len(f.get('ranks', []))} ranks, {len(f.get('edges', []))} "
+                    f"links: {f['reason']}")
+        return f"validation {f.get('phase')}: {f.get('reason')}"
     if kind == "topology":
         parts = [f"{c['name']} ranks {_span(c['ranks'])} ({c['source']}"
                  + (f", from {c['parent']}" if c.get("parent") else "")
@@ -36,6 +54,17 @@ def describe_engine_event(kind: str, f: dict) -> str:
         prev = "" if f["previous"] is None else f" (was {f['previous']})"
         return (f"pattern rank {f['rank']}: {f['period_calls']} calls per iteration{prev}"
                 + (", split at long host gaps" if f["gap_classes"] else ""))
+    if kind == "lost":
+        return f"ring buffer full: {f['count']} records lost ({f['total']} in all)"
+    if kind == "exit":
+        return f"pid {f['pid']} (rank {f.get('rank')}) exited"
+    if kind == "activity":
+        if f.get("end_ns") is None:
+            return f"{f['what']} began (our own activity: the job's iterations meanwhile " \
+                   "are not its speed)"
+        return f"{f['what']} ended after {(f['end_ns'] - f['start_ns']) / 1e9:.2f} s"
+    if kind in ("iteration", "call", "attach", "detach"):
+        return None
     return f"{kind} {f}"
 
 

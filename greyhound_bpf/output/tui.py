@@ -22,7 +22,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .summary import safe
+from ..events import is_speed_sample
+from .text import describe, safe
 
 SPARKS = "▁▂▃▄▅▆▇█"
 LOG_LINES = 8
@@ -73,7 +74,7 @@ class TuiState:
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "iteration":
-            if ev.get("paused"):                  # validation's pause: not the job's speed
+            if not is_speed_sample(ev):           # our own activity: not the job's speed
                 return
             rank = ev.get("rank")
             self._last[rank] = ev["dur_ns"] / 1e6
@@ -89,7 +90,7 @@ class TuiState:
             self.stragglers.add(ev.get("rank"))
         if kind == "recovery" and ev.get("scope") == "rank":
             self.stragglers.discard(ev.get("rank"))
-        text = describe(kind, ev)
+        text = describe(ev) if kind != "activity" else None
         if text:
             self.log.append((time.strftime("%H:%M:%S", time.localtime(ev["time_ns"] / 1e9)),
                              kind, text))
@@ -101,17 +102,6 @@ class TuiState:
     def marks_in_history(self) -> tuple[tuple[int, str], ...]:
         first = self._n - len(self.history)
         return tuple((i - first, k) for i, k in self.marks if i >= first)
-
-
-def describe(kind: str, ev: dict) -> str | None:
-    from .text import describe_engine_event
-    if kind in ("slowdown", "recovery", "action", "applied", "diagnosis", "topology"):
-        return describe_engine_event(kind, ev)
-    if kind == "lost":
-        return f"ring buffer full: {ev['count']} records lost ({ev['total']} in all)"
-    if kind == "exit":
-        return f"pid {ev['pid']} (rank {ev.get('rank')}) exited"
-    return None
 
 
 # -- rendering (pure) ------------------------------------------------------------

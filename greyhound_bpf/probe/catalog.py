@@ -140,6 +140,25 @@ class Catalog:
         return out
 
 
+    def encode(self, fn: FunctionSpec, fields: dict) -> tuple[list[int], int, int]:
+        """The raw (slots, ret, flags) that decode() turns into `fields`: a
+        `call` event of an older recording back into a record."""
+        fam = self.families[fn.family]
+        slots = [0] * MAX_ARGS
+        for i, name in enumerate(fn.args):
+            v = fields.get(name)
+            if name == IGNORED or v is None:
+                continue
+            if isinstance(v, str) and name in fam.enums:
+                v = next((k for k, n in ENUMS[fam.enums[name]].items() if n == v), 0)
+            slots[i] = int(v) & 0xFFFFFFFFFFFFFFFF
+        for j, (name, _) in enumerate(fn.fields):
+            if fields.get(name) is not None:
+                slots[FIELD_SLOT0 + j] = int(fields[name]) & 0xFFFFFFFFFFFFFFFF
+        ret = fields.get("ret")
+        return slots, int(ret or 0), GH_F_DEREF_FAILED if fields.get("deref_failed") else 0
+
+
 def _s32(v: int) -> int:
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v & 0x80000000 else v

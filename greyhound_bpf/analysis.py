@@ -1,0 +1,356 @@
+"""JobAnalysis: the whole chain after the probes, pure.
+
+    Calls ------> JobPipeline (iterations, slowdowns) --+--> PassiveDiagnoser --+
+    Targets       Topology (communicator map)           |                       v
+    Activity ---> ActivityLog (Greyhound's own spans)   +--> ValidationPlanner --> `validation` request
+    Validated ------------------------------------------------> rules.decide --> `diagnosis` (validation)
+    Acks, PlanWritten, Tick ----------------------------------> SkiRentalPolicy -> `action`, `applied`
+
+It does no I/O, starts no threads and never reads the clock: every input
+carries its time (`t_ns`, on the analysis clock: CLOCK_MONOTONIC shifted to
+the wall clock once, at the start), and every event it emits is timed by
+its data. Given the same inputs in the same order, it emits the same events.
+`attach` (tracer + JobAnalysis + validator + control writer + outputs),
+`replay` (a recording + JobAnalysis) and the cluster controller all run it;
+`attach --record FILE` records its inputs (greyhound_bpf.recording).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .diagnosis.passive import PassiveDiagnoser
+from .diagnosis.planner import PAUSE_BUDGET, ValidationPlanner
+from .diagnosis.rules import Result, decide, edges_of
+from .diagnosis.verdict import Diagnosis
+from .engine.activity import ActivityLog
+from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
+from .engine.pipeline import JobPipeline
+from .engine.topology import Topology
+from .events import make_event
+from .probe.catalog import Catalog
+from mitigation.policy import RESTART_ESTIMATE_S, SkiRentalPolicy
+
+# Attaching uprobes and the tracer's own start-up slow a job on a small host
+# for a moment after the probes are in: iterations until then are ours.
+SETTLE_S = 2.0
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calls:
+    """One tracer batch (probe.records.CALL_DTYPE), `start_ns` already on the
+    analysis clock."""
+    t_ns: int
+    recs: np.ndarray
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Processes probed from now on (`added`: pid, rank, local_rank,
+    world_size, comm) or gone (`exited`: pids). `begin_ns`: when attaching
+    them began."""
+    t_ns: int
+    added: tuple = ()
+    exited: tuple = ()
+    begin_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class Activity:
+    """A span of Greyhound's own activity that can touch the job
+    (engine.activity.WHAT), opened (end_ns None) or closed."""
+    t_ns: int
+    id: str
+    what: str
+    start_ns: int
+    end_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class Validated:
+    """The validator's measurements for a request (diagnosis.rules.Result)."""
+    t_ns: int
+    request: int
+    result: dict
+
+
+@dataclass(frozen=True)
+class Acks:
+    """The trainer's acknowledgements (`<control>.ack.<rank>`), when they changed."""
+    t_ns: int
+    docs: dict
+    restart_observed_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PlanWritten:
+    """Writing plan `seq` to the control file failed (`error`), or worked."""
+    t_ns: int
+    seq: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes (once a second): waits that end, the communicator map."""
+    t_ns: int
+
+
+INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick)
+
+
+@dataclass
+class AnalysisConfig:
+    threshold: float = SLOWDOWN_THRESHOLD
+    min_probability: float = MIN_PROBABILITY
+    validate: bool = True
+    pause_budget: float = PAUSE_BUDGET
+    mitigate: bool = False                  # plans go to the control file (else advised)
+    first_seq: int = 1                      # the control file's next plan number
+    microbatches: int | None = None
+    restart_estimate_s: float = RESTART_ESTIMATE_S
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AnalysisConfig":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+@dataclass
+class _PlanInFlight:
+    seq: int
+    strategy: str
+    expected_ms: float | None
+    issued_ns: int
+
+
+@dataclass
+class _Rank:
+    pid: int
+    rank: int | None
+    local_rank: int | None = None
+    world_size: int | None = None
+    comm: str = ""
+    exited: bool = False
+
+
+class JobAnalysis:
+    def __init__(self, catalog: Catalog, job: str, config: AnalysisConfig | None = None):
+        self.catalog, self.job = catalog, job
+        self.config = c = config or AnalysisConfig()
+        self.activity = ActivityLog()
+        self.pipeline = JobPipeline(catalog, threshold=c.threshold,
+                                    min_probability=c.min_probability, activity=self.activity)
+        self.topology = Topology(catalog)
+        self.passive = PassiveDiagnoser(topology=self.topology, activity=self.activity)
+        self.planner = ValidationPlanner(enabled=c.validate, budget=c.pause_budget)
+        self.policy = SkiRentalPolicy(global_microbatches=c.microbatches,
+                                      restart_estimate_s=c.restart_estimate_s)
+        self.mode = "mitigate" if c.mitigate else "advise"
+        self.next_seq = c.first_seq
+        self.ranks: dict[int, _Rank] = {}          # pid -> identity
+        self.now_ns = 0
+        self.plan: _PlanInFlight | None = None      # issued, waiting for every rank's ack
+        self.outcome_due: _PlanInFlight | None = None
+        self.acks_seen: dict = {}
+        self.diagnoses: list[Diagnosis] = []        # every verdict, in order
+        self.requests: dict[int, dict] = {}         # validation requests, by id
+
+    # -- the one entry point ---------------------------------------------------------
+
+    def feed(self, inp) -> list[dict]:
+        """Take one input; return the events it caused, in order."""
+        self.now_ns = max(self.now_ns, int(inp.t_ns))
+        handler = {Calls: self._calls, Targets: self._targets, Activity: self._activity,
+                   Validated: self._validated, Acks: self._acks, PlanWritten: self._written,
+                   Tick: self._tick}.get(type(inp))
+        if handler is None:
+            raise TypeError(f"not an analysis input: {inp!r}")
+        return handler(inp)
+
+    # -- read-only views (for the live view and summaries) ----------------------------
+
+    def rank_of(self) -> dict[int, int | None]:
+        return {pid: r.rank for pid, r in self.ranks.items()}
+
+    def live_ranks(self) -> list[_Rank]:
+        return [r for _, r in sorted(self.ranks.items()) if not r.exited and r.rank is not None]
+
+    def rank_view(self, pid: int) -> dict:
+        return self.pipeline.rank_view(pid)
+
+    @property
+    def job_iterations(self) -> int:
+        return self.pipeline.job_iterations
+
+    @property
+    def straggler(self) -> int | None:
+        return self.policy.straggler
+
+    @property
+    def paused_total_s(self) -> float:
+        return self.planner.paused_total_s
+
+    # -- inputs ---------------------------------------------------------------------
+
+    def _event(self, kind: str, t_ns: int, **fields) -> dict:
+        return make_event(kind, self.job, t_ns, **fields)
+
+    def _targets(self, inp: Targets) -> list[dict]:
+        for d in inp.added:
+            pid = int(d["pid"])
+            self.ranks[pid] = _Rank(pid, d.get("rank"), d.get("local_rank"),
+                                    d.get("world_size"), d.get("comm", ""))
+            self.pipeline.add_rank(pid, d.get("rank"))
+        for pid in inp.exited:
+            if pid in self.ranks:
+                self.ranks[pid].exited = True
+        if inp.added and inp.begin_ns is not None:
+            # Attaching perturbs the job (and the ranks already traced) for
+            # a moment: iterations until it has passed are ours. (A target
+            # of an older recording has no attach time: nothing is marked.)
+            self.activity.update(f"attach-{inp.t_ns}", "attach", inp.begin_ns,
+                                 inp.t_ns + int(SETTLE_S * 1e9))
+        return []
+
+    def _calls(self, inp: Calls) -> list[dict]:
+        recs = inp.recs
+        if len(recs) == 0:
+            return []
+        rank_of = self.rank_of()
+        self.topology.feed(recs, rank_of)
+        out = []
+        for kind, fields, t_ns in self.pipeline.feed_records(recs, rank_of):
+            out += self._after_engine(self._event(kind, t_ns, **fields))
+        return out
+
+    def _activity(self, inp: Activity) -> list[dict]:
+        self.activity.update(inp.id, inp.what, inp.start_ns, inp.end_ns)
+        if inp.what == "pause" and inp.end_ns is not None:
+            self.planner.pause(inp.start_ns, inp.end_ns)
+        return [self._event("activity", inp.t_ns, id=inp.id, what=inp.what,
+                            start_ns=inp.start_ns, end_ns=inp.end_ns)]
+
+    def _validated(self, inp: Validated) -> list[dict]:
+        req = self.requests.pop(inp.request, None)
+        index = req["index"] if req else None
+        v = decide(Result.from_dict(inp.result), index)
+        v = v.but(details={**v.details, "request": inp.request})
+        self.planner.done(inp.request, v, inp.t_ns)
+        return self._verdicts([v], inp.t_ns) + self._planner_tick(inp.t_ns)
+
+    def _acks(self, inp: Acks) -> list[dict]:
+        docs = {int(r): d for r, d in inp.docs.items()}
+        self.acks_seen = docs
+        self.policy.acks(docs)
+        self.policy.restart_observed_s = inp.restart_observed_s
+        p = self.plan
+        if p is None or not docs:
+            return []
+        done = sorted(r for r, d in docs.items() if int(d.get("seq", 0)) >= p.seq)
+        if len(done) < len(docs):
+            return []
+        self.plan = None
+        self.activity.update(f"plan-{p.seq}", "plan", p.issued_ns, inp.t_ns)
+        ev = self._event("applied", inp.t_ns, seq=p.seq, ranks=done,
+                         after_ms=round((inp.t_ns - p.issued_ns) / 1e6, 1))
+        out = [ev] + self._observe(ev)
+        if p.strategy == "rebalance_microbatches":
+            self.outcome_due = p
+        return out
+
+    def _written(self, inp: PlanWritten) -> list[dict]:
+        if inp.error is None:
+            return []
+        # The control file cannot be written: advise only from now on (the
+        # trainer keeps the last plan it read).
+        self.mode = "advise"
+        self.policy.withdraw()
+        if self.plan is not None and self.plan.seq == inp.seq:
+            self.activity.update(f"plan-{inp.seq}", "plan", self.plan.issued_ns, inp.t_ns)
+            self.plan = None
+        return [self._event("action", inp.t_ns, strategy="none", seq=None, mode="advise",
+                            plan={}, expected_ms=None,
+                            reason=f"could not write plan {inp.seq} to the control file "
+                                   f"({inp.error}): advising only from now on")]
+
+    def _tick(self, inp: Tick) -> list[dict]:
+        out = []
+        topo = self.topology.changed()
+        if topo:
+            out.append(self._event("topology", inp.t_ns, **topo))
+        return out + self._planner_tick(inp.t_ns)
+
+    # -- the chain after the engine ---------------------------------------------------
+
+    def _after_engine(self, ev: dict) -> list[dict]:
+        """An engine event, and what it causes downstream."""
+        return [ev] + self._observe(ev)
+
+    def _observe(self, ev: dict) -> list[dict]:
+        """Diagnosis and policy for one event of the stream."""
+        t = ev["time_ns"]
+        if ev["kind"] in ("slowdown", "recovery"):
+            self.planner.observe(ev)
+        out = self._verdicts(self.passive.observe(ev), t)
+        out += self._mitigate(ev)
+        return out
+
+    def _verdicts(self, verdicts: list[Diagnosis], t_ns: int) -> list[dict]:
+        out = []
+        for v in verdicts:
+            self.diagnoses.append(v)
+            ev = self._event("diagnosis", t_ns, **v.fields())
+            out.append(ev)
+            out += self._mitigate(ev)
+            if v.evidence == "passive":
+                out += self._validation_events(self.planner.consider(v, t_ns), t_ns)
+        return out
+
+    def _planner_tick(self, t_ns: int) -> list[dict]:
+        return self._validation_events(self.planner.tick(t_ns), t_ns)
+
+    def _validation_events(self, reqs: list[dict], t_ns: int) -> list[dict]:
+        out = []
+        for f in reqs:
+            if f["phase"] == "request":
+                ranks = sorted(r.rank for r in self.live_ranks())
+                if len(ranks) < 2:
+                    self.planner.done(f["id"], Diagnosis("validation", "unknown", "one rank"),
+                                      t_ns)
+                    continue
+                f = {**f, "ranks": ranks,
+                     "edges": [list(e) for e in edges_of(self.topology.fields(), ranks)]}
+                self.requests[f["id"]] = f
+            out.append(self._event("validation", t_ns, **f))
+        return out
+
+    def _mitigate(self, ev: dict) -> list[dict]:
+        out = []
+        t = ev["time_ns"]
+        for d in self.policy.observe(ev):
+            seq = None
+            if d.strategy != "none":
+                if self.mode == "mitigate":
+                    seq = self.next_seq
+                    self.next_seq += 1
+                    self.plan = _PlanInFlight(seq, d.strategy, d.expected_ms, t)
+                    self.activity.update(f"plan-{seq}", "plan", t, None)
+                else:
+                    self.policy.withdraw()          # advise only: reported, not written
+            out.append(self._event("action", t, seq=seq, mode=self.mode, **d.fields()))
+        due = self.outcome_due
+        pol = self.policy
+        if (due and ev["kind"] == "iteration" and pol.since_plan >= pol.window
+                and pol.recent_job_ms() is not None):
+            self.outcome_due = None
+            out.append(self._event("action", t, phase="outcome", seq=due.seq,
+                                   strategy=due.strategy, expected_ms=due.expected_ms,
+                                   achieved_ms=round(pol.recent_job_ms(), 3)))
+        return out

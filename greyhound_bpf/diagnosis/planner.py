@@ -1,0 +1,154 @@
+"""When to validate: validation pauses the job, so it is asked for only when
+it can change what is known, and within a budget. Pure: the analysis feeds
+it verdicts, the job's slowdown events, pause spans and the time, and it
+answers with requests (`validation` events) that the validator serves.
+
+- A passive verdict is validated while its slowdown lasts, or whenever it
+  names a cause (a rebalance hides a slow rank, it does not fix it). One
+  less than the passive rules' minimum (`below_min_ratio`) is not.
+- A slowdown in which no one rank stands out (`uniform`: the host, the
+  whole job, a whole communicator) is validated only once it has lasted
+  UNIFORM_PERSIST_S: a busy host's episodes pass in seconds, and a slow link
+  (which looks like that) lasts.
+- After a validation that names nothing, the next one waits BACKOFF_S,
+  doubling up to BACKOFF_MAX_S; a verdict that names a rank is validated at
+  once (the budget still applies), and one that names something resets it.
+- The pause budget: validation pauses the job for at most `budget` (1%) of
+  wall time over any `window_s` (10 minutes). A request that would exceed
+  it waits until it would not, while its reason still holds.
+- One validation at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .verdict import Diagnosis
+
+PAUSE_BUDGET = 0.01          # share of wall time validation may pause the job...
+PAUSE_BUDGET_WINDOW_S = 600  # ...over any window this long
+BACKOFF_S = 30.0
+BACKOFF_MAX_S = 600.0
+# Longest a host's own slow episode lasted on this project's 2-core VMs (CI,
+# bench_diagnosis: collective shifts of 20-40% for up to 17 s).
+UNIFORM_PERSIST_S = 20.0
+# A validation's pause, until one has been measured: a CPU machine's GEMMs
+# and p2p rounds take 2-3 s (README, bench_diagnosis), a GPU's less.
+EXPECTED_PAUSE_S = 3.0
+
+
+@dataclass
+class Request:
+    id: int
+    index: int | None            # the slowdown's onset iteration, or the verdict's
+    reason: str
+    purpose: str = "diagnose"    # diagnose, or recheck (is a named fault still there?)
+    ranks: tuple[int, ...] = ()  # the ranks the reason concerns (all are measured)
+
+
+@dataclass
+class _Pending:
+    verdict: Diagnosis
+    since_ns: int
+    said: bool = False           # the deferral was reported
+
+
+@dataclass
+class ValidationPlanner:
+    enabled: bool = True
+    budget: float = PAUSE_BUDGET
+    window_s: float = PAUSE_BUDGET_WINDOW_S
+    pauses: list = field(default_factory=list)   # (start_ns, end_ns) of closed pause spans
+    paused_total_s: float = 0.0
+    validations: int = 0
+    in_flight: Request | None = None
+    pending: _Pending | None = None
+    backoff_s: float = 0.0
+    not_before_ns: int = 0
+    slow_since_ns: int | None = None             # onset of the job slowdown in progress
+    _next_id: int = 1
+    _last_pause_s: float = EXPECTED_PAUSE_S
+
+    # -- inputs -------------------------------------------------------------------
+
+    def observe(self, ev: dict) -> None:
+        """Job-level slowdown/recovery events: is a slowdown in progress?"""
+        if ev.get("scope") != "job":
+            return
+        if ev["kind"] == "slowdown" and self.slow_since_ns is None:
+            self.slow_since_ns = int(ev.get("onset_ns") or ev["time_ns"])
+        elif ev["kind"] == "recovery":
+            self.slow_since_ns = None
+
+    def pause(self, start_ns: int, end_ns: int) -> None:
+        """A validation pause of the job, once over."""
+        self.pauses.append((start_ns, end_ns))
+        s = max(0, end_ns - start_ns) / 1e9
+        self.paused_total_s += s
+        self._last_pause_s = max(s, 0.5)
+        horizon = end_ns - int(2 * self.window_s * 1e9)
+        self.pauses = [p for p in self.pauses if p[1] >= horizon]
+
+    def consider(self, v: Diagnosis, now_ns: int) -> list[dict]:
+        """A passive verdict: a request or a deferral (`validation` event
+        fields), or nothing."""
+        if not self.enabled or v.details.get("below_min_ratio"):
+            return []
+        if self.slow_since_ns is None and not v.named:
+            return []             # the slowdown is over and nothing was named
+        self.pending = _Pending(v, now_ns)
+        return self.tick(now_ns)
+
+    def tick(self, now_ns: int) -> list[dict]:
+        """Ask for the pending validation once nothing holds it back."""
+        p = self.pending
+        if p is None or self.in_flight is not None:
+            return []
+        v = p.verdict
+        if self.slow_since_ns is None and not v.named:
+            self.pending = None
+            return []
+        why = None
+        if v.details.get("uniform") and not v.named:
+            lasted = (now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns else 0.0
+            if lasted < UNIFORM_PERSIST_S:
+                why = (f"every rank slowed alike (the host or the whole job): validated if "
+                       f"it lasts {UNIFORM_PERSIST_S:.0f} s")
+        if why is None and v.straggler is None and now_ns < self.not_before_ns:
+            why = (f"the last validation named nothing: backing off "
+                   f"{self.backoff_s:.0f} s")
+        if why is None:
+            used = self.paused_in_window(now_ns)
+            allowed = self.budget * self.window_s
+            if used + self._last_pause_s > allowed:
+                why = (f"pause budget: {used:.1f} s of {allowed:.1f} s used in the last "
+                       f"{self.window_s / 60:.0f} min")
+        if why is not None:
+            if p.said:
+                return []
+            p.said = True
+            return [{"phase": "deferred", "index": v.index, "reason": why}]
+        self.pending = None
+        req = Request(self._next_id, v.index, f"{v.evidence} verdict: {v.cause}"
+                      + (f" (rank {v.straggler})" if v.straggler is not None else ""),
+                      ranks=v.ranks)
+        self._next_id += 1
+        self.in_flight = req
+        self.validations += 1
+        return [{"phase": "request", "id": req.id, "index": req.index, "reason": req.reason,
+                 "purpose": req.purpose}]
+
+    def done(self, request_id: int, verdict: Diagnosis, now_ns: int) -> None:
+        """The validator answered."""
+        if self.in_flight is not None and self.in_flight.id == request_id:
+            self.in_flight = None
+        if verdict.named:
+            self.backoff_s, self.not_before_ns = 0.0, 0
+        else:
+            self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_S, 2 * self.backoff_s))
+            self.not_before_ns = now_ns + int(self.backoff_s * 1e9)
+
+    # -- state ----------------------------------------------------------------------
+
+    def paused_in_window(self, now_ns: int) -> float:
+        lo = now_ns - int(self.window_s * 1e9)
+        return sum(max(0, e - max(s, lo)) for s, e in self.pauses if e > lo) / 1e9
