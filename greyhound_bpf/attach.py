@@ -124,7 +124,7 @@ class AttachSession:
         if opts.record_path:
             from .recording import Recorder, header
             self.recorder = Recorder(opts.record_path, header(
-                self.job, config, self.catalog, pids=list(opts.pids)))
+                self.job, config, self.catalog, pids=list(opts.pids)), self.catalog)
         self._record_said = False
         self._followups: list = []                 # inputs caused by handling events
         self._feeding = False
@@ -385,8 +385,9 @@ class AttachSession:
         if self.metrics:
             self.metrics.count_calls(groups, {p: t.rank for p, t in self.known.items()},
                                      self._fn_names)
-        # Record times on the analysis clock (a copy: the batch is the tracer's).
-        recs = recs.copy()
+        # Record times on the analysis clock, in (process, start) order: the
+        # ring buffer interleaves CPUs (a copy: the batch is the tracer's).
+        recs = recs[np.lexsort((recs["tid"], recs["start_ns"], recs["pid"]))]
         recs["start_ns"] += np.uint64(self.mono_to_wall)
         self.feed(Calls(self.now_ns(), recs))
         if not (self.opts.calls and (self.writer or self.sinks)):

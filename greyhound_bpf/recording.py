@@ -49,17 +49,23 @@ assert set(_NAME) == set(INPUTS)
 
 # -- writing ----------------------------------------------------------------------------
 
-def encode(inp) -> dict:
+def encode(inp, slot_mask: np.ndarray | None = None) -> dict:
+    """One input as a JSON-able line. `slot_mask` (Catalog.slot_mask()): the
+    argument slots worth keeping; the others hold left-over register values
+    that nothing reads."""
     kind = _NAME[type(inp)]
     d: dict = {"in": kind, "t": int(inp.t_ns)}
     if isinstance(inp, Calls):
         r = inp.recs
+        args = r["args"]
+        if slot_mask is not None and len(r):
+            args = np.where(slot_mask[r["fn"].astype(np.int64)], args, 0)
         start = r["start_ns"].astype(np.int64)
         d.update(pid=r["pid"].tolist(), tid=r["tid"].tolist(), fn=r["fn"].tolist(),
                  start=np.concatenate([start[:1], np.diff(start)]).tolist(),
                  dur=r["dur_ns"].tolist(), ret=r["ret"].tolist(), flags=r["flags"].tolist(),
-                 args={str(i): r["args"][:, i].tolist() for i in range(GH_MAX_ARGS)
-                       if r["args"][:, i].any()})
+                 args={str(i): args[:, i].tolist() for i in range(GH_MAX_ARGS)
+                       if args[:, i].any()})
     elif isinstance(inp, Targets):
         d.update(added=list(inp.added), exited=list(inp.exited), begin=inp.begin_ns)
     elif isinstance(inp, Activity):
@@ -85,8 +91,9 @@ class Recorder:
     removed directory) stops the recording, says so once (`error`), and
     counts what could not be written (`dropped`); tracing goes on."""
 
-    def __init__(self, path: str, head: dict):
+    def __init__(self, path: str, head: dict, catalog: Catalog | None = None):
         self.path, self.error, self.dropped = path, None, 0
+        self.mask = catalog.slot_mask() if catalog is not None else None
         try:
             self._fh: IO[str] = (gzip.open(path, "wt", compresslevel=6) if path.endswith(".gz")
                                  else open(path, "w", buffering=1 << 16))
@@ -95,7 +102,7 @@ class Recorder:
         self._line(head)
 
     def write(self, inp) -> None:
-        self._line(encode(inp))
+        self._line(encode(inp, self.mask))
 
     def _line(self, d: dict) -> None:
         if self.error is not None:

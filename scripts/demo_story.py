@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jobkit import (BIN, cpu_share, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
-                    stop_job, wait_until)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness import (BIN, DEMO_ARGS, DDPJob, cpu_share, median_dur, rank_pids,  # noqa: E402
+                     read_jsonl, wait_for)
 
 SLOW_RANK = 2
 QUIET_S = 3.0     # > the passive diagnosis' margin after validation (BUSY_AFTER_NS)
@@ -43,7 +43,7 @@ def first(evs, pred):
 def summarize(work: Path, t: dict) -> int:
     from rich.console import Console
     from rich.table import Table
-    evs, truth = read_jsonl(work / "events.jsonl"), read_jsonl(work / "truth.jsonl")
+    evs, truth = read_jsonl(work / "events.jsonl"), read_jsonl(t["truth"])
     inj, lift, end = t["inject"], t["lift"], t["end"]
     slow = first(evs, lambda e: e["kind"] == "slowdown" and e.get("scope") == "job"
                  and e["time_ns"] > inj)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                    help="longest wait for the even split after the slowdown")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="greyhound-demo."))
-    log = open(work / "job.log", "w")
+    log = open(work / "inject.log", "w")
     job = tracer = inject = None
     t: dict[str, int] = {}
     interrupted = []
@@ -171,10 +171,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         say(f"starting a 4-rank gloo DDP job (logs in {work})")
-        job = start_job(work, 4, log)
-        pids = wait_until(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120)
-        if not pids or not wait_until(lambda: len(read_jsonl(work / "truth.jsonl")) >= 8, 120):
-            say(f"the job did not start; see {work / 'job.log'}")
+        job = DDPJob(work, 4, *DEMO_ARGS, "--control-file", str(work / "ctl.json"), name="job")
+        t["truth"] = job.truth
+        pids = wait_for(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120)
+        if not pids or not wait_for(lambda: len(job.truth_records()) >= 8, 120, interval=0.2):
+            say(f"the job did not start; see {work}")
             return 1
         cmd = [str(BIN / "greyhound-trace"), "attach", str(job.pid), "--mitigate",
                "--control-file", str(work / "ctl.json"), "--json", str(work / "events.jsonl")]
@@ -182,8 +183,9 @@ def main(argv=None) -> int:
             cmd += ["--no-tui", "-q"]
         say(f"sudo {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}")
         tracer = subprocess.Popen(cmd)
-        if not wait_until(lambda: any(e["kind"] == "iteration"
-                                      for e in read_jsonl(work / "events.jsonl")), 120):
+        if not wait_for(lambda: any(e["kind"] == "iteration"
+                                    for e in read_jsonl(work / "events.jsonl")), 120,
+                        interval=0.2):
             say("greyhound-trace saw no iteration")
             return 1
         t["attached"] = time.time_ns()
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
         inject.wait()
         t["lift"] = time.time_ns()
         lift = t["lift"]
-        wait_until(lambda: any(e["kind"] == "applied" and e["time_ns"] > lift and
+        wait_for(lambda: any(e["kind"] == "applied" and e["time_ns"] > lift and
                                e["seq"] == max((a["seq"] for a in read_jsonl(
                                    work / "events.jsonl") if a["kind"] == "action" and
                                    a.get("seq") and len(set(a.get("plan", {}).get(
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 tracer.kill()
         if job:
-            stop_job(job)
+            job.close()
         log.close()
         say("cleaned up: no job process, no cgroup left")
     if interrupted or "end" not in t:

@@ -8,18 +8,15 @@ turn), and one that overlaps the injection blurs the timing: the passive
 verdict then says `unknown` rather than guessing, which the design allows.
 So the fault is injected up to 3 times, each after the job has settled,
 until a passive verdict names a cause; a wrong one fails at once."""
-import sys
 import time
 
 import pytest
 
-from conftest import ROOT, wait_for
+from conftest import wait_for
 from greyhound_bpf.inject import CpuQuota
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from jobkit import cpu_share  # noqa: E402  (the demo's and benchmarks' helper)
+from harness import cpu_share
 
 TRIES = 3
 WAIT_S = 60      # per try, for both verdicts while the fault lasts

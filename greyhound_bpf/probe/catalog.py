@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from .records import GH_F_DEREF_FAILED
 
 # Argument slot names that become event fields. Anything else in a catalog is
@@ -139,6 +141,18 @@ class Catalog:
             out["deref_failed"] = True
         return out
 
+
+    def slot_mask(self) -> np.ndarray:
+        """[function id, slot]: True where the slot holds something decode()
+        reads (a named argument or a struct field); the rest of a record's
+        slots are left-over register values."""
+        mask = np.zeros((max(len(self.functions), 1), MAX_ARGS), dtype=bool)
+        for fn in self.functions:
+            for i, name in enumerate(fn.args):
+                mask[fn.fid, i] = name != IGNORED
+            for j in range(len(fn.fields)):
+                mask[fn.fid, FIELD_SLOT0 + j] = True
+        return mask
 
     def encode(self, fn: FunctionSpec, fields: dict) -> tuple[list[int], int, int]:
         """The raw (slots, ret, flags) that decode() turns into `fields`: a

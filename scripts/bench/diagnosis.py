@@ -30,10 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-from jobkit import cpu_share, read_jsonl, wait_until  # noqa: E402
+from harness import JsonlTail, cpu_share, read_jsonl, wait_for  # noqa: E402
 from netbed import NetBed  # noqa: E402
 
 from greyhound_bpf.inject import CpuQuota, LinkRate  # noqa: E402
@@ -41,24 +39,6 @@ from greyhound_bpf.inject import CpuQuota, LinkRate  # noqa: E402
 BIN = Path(sys.executable).parent
 TRAIN = ("--microbatches", "2", "--mb-size", "64", "--hidden", "512", "--layers", "4",
          "--bucket-mb", "1")
-
-
-class Events:
-    """The tracer's JSON lines, read incrementally."""
-
-    def __init__(self, path: Path):
-        self.path, self.pos, self.all = path, 0, []
-
-    def read(self) -> list[dict]:
-        import json
-        if self.path.exists():
-            with open(self.path) as fh:
-                fh.seek(self.pos)
-                chunk = fh.read()
-            done = chunk.rfind("\n") + 1
-            self.pos += len(chunk[:done].encode())
-            self.all += [json.loads(ln) for ln in chunk[:done].splitlines() if ln]
-        return self.all
 
 
 def measured_after(d: dict, onset: int) -> bool:
@@ -96,13 +76,13 @@ def main(argv=None) -> int:
     tracer = None
     with bed:
         pids = bed.start_ranks(truth, *TRAIN, port=29755)
-        wait_until(lambda: len(read_jsonl(truth)) >= 40, 180, "the job to train")
+        wait_for(lambda: len(read_jsonl(truth)) >= 40, 180, "the job to train")
         tracer = subprocess.Popen([str(BIN / "greyhound-trace"), "attach", *map(str, pids),
                                    "--json", str(events_path), "-q"],
                                   stdout=log, stderr=subprocess.STDOUT)
-        ev = Events(events_path)
+        ev = JsonlTail(events_path)
         try:
-            wait_until(lambda: any(e["kind"] == "iteration" for e in ev.read()), 120,
+            wait_for(lambda: any(e["kind"] == "iteration" for e in ev.read()), 120,
                        "the tracer's first iteration")
             print(f"bench_diagnosis: healthy for {args.healthy:.0f} s", flush=True)
             time.sleep(args.healthy)

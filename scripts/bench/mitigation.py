@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jobkit import (cpu_share, median_dur, rank_pids, read_jsonl, start_job,  # noqa: E402
-                    stop_job, wait_until)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from harness import (DEMO_ARGS, DDPJob, Timeout, cpu_share, median_dur,  # noqa: E402
+                     rank_pids, read_jsonl, wait_for)
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -37,18 +37,19 @@ BIN = Path(sys.executable).parent
 
 def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
             after_s: float, log) -> dict:
-    ctl, truth, events = work / "ctl.json", work / "truth.jsonl", work / "events.jsonl"
-    job = start_job(work, 4, log)
+    ctl, events = work / "ctl.json", work / "events.jsonl"
+    job = DDPJob(work, 4, *DEMO_ARGS, "--control-file", str(ctl), name="job")
+    truth = job.truth
     tracer = None
     quota = None
     try:
-        pids = wait_until(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120,
+        pids = wait_for(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120,
                           "4 ranks")
-        wait_until(lambda: len(read_jsonl(truth)) >= 40, 120, "the job to train")
+        wait_for(lambda: len(read_jsonl(truth)) >= 40, 120, "the job to train")
         tracer = subprocess.Popen(
             [str(BIN / "greyhound-trace"), "attach", str(job.pid), "--control-file", str(ctl),
              "--mitigate", "--json", str(events), "-q"], stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: any(e["kind"] == "iteration" for e in read_jsonl(events)), 120,
+        wait_for(lambda: any(e["kind"] == "iteration" for e in read_jsonl(events)), 120,
                    "the tracer's first iteration")
         victim = pids[slow_rank]
         share = cpu_share(victim, healthy_s)
@@ -67,7 +68,7 @@ def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
             return None
         uneven = lambda a: len(set(a["plan"].get("microbatches", {}).values())) > 1  # noqa: E731
         even = lambda a: len(set(a["plan"].get("microbatches", {}).values())) == 1  # noqa: E731
-        applied, plan = wait_until(lambda: applied_after(inject_ns, uneven), 120,
+        applied, plan = wait_for(lambda: applied_after(inject_ns, uneven), 120,
                                    "a rebalance to be applied")
         time.sleep(mitigated_s)
         lift_ns = time.time_ns()
@@ -75,8 +76,8 @@ def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
         quota = None
         back = None
         try:
-            back = wait_until(lambda: applied_after(lift_ns, even), after_s, "the even split")
-        except RuntimeError:
+            back = wait_for(lambda: applied_after(lift_ns, even), after_s, "the even split")
+        except Timeout:
             pass
         time.sleep(3)
         end_ns = time.time_ns()
@@ -89,7 +90,7 @@ def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
                 tracer.wait(30)
             except subprocess.TimeoutExpired:
                 tracer.kill()
-        stop_job(job)
+        job.close()
     tr = read_jsonl(truth)
     evs = read_jsonl(events)
     start_ns = min(e["time_ns"] for e in evs if e["kind"] == "iteration")

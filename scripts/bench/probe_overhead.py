@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import DDPJob, rank_pids  # noqa: E402
 
 from greyhound_bpf.probe.catalog import Catalog, Family, FunctionSpec  # noqa: E402
 from greyhound_bpf.probe.discovery import MappedLib, Target  # noqa: E402
@@ -135,22 +135,14 @@ def part1(calls: int, rounds: int) -> dict:
 
 # -- part 2: DDP job with and without attach -------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ddp_run(tmp: Path, traced: bool, steps: int, warmup: int) -> float:
-    truth, go = tmp / "truth.jsonl", tmp / "go"
-    for f in (truth, go):
-        f.unlink(missing_ok=True)
+    for f in tmp.glob("truth-*"):
+        f.unlink()
+    for f in tmp.glob("go-*"):
+        f.unlink()
+    job = DDPJob(tmp, 4, steps=steps, go=True, name="overhead")
+    truth, go = job.truth, job.go_file
     bin_ = Path(sys.executable).parent
-    job = subprocess.Popen([str(bin_ / "torchrun"), "--nproc-per-node", "4", "--master-port",
-                            str(free_port()), str(ROOT / "scripts/demo_train.py"),
-                            "--steps", str(steps), "--truth", str(truth), "--go-file", str(go)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     tracer = None
     events = tmp / "events.jsonl"
     events.unlink(missing_ok=True)
@@ -165,13 +157,14 @@ def ddp_run(tmp: Path, traced: bool, steps: int, warmup: int) -> float:
             n = sum(len(json.loads(line)["ranks"]) for line in events.read_text().splitlines()
                     if '"attach"' in line) if events.exists() else 0
         else:
-            n = len([1 for line in _ps_children(job.pid)])
+            n = len(rank_pids(job.pid))
         if n >= 4:
             break
         time.sleep(0.2)
     time.sleep(2)
     go.touch()
     job.wait(timeout=600)
+    job.close()
     if tracer:
         tracer.wait(timeout=60)
     durs = [json.loads(line) for line in truth.read_text().splitlines()]
@@ -180,11 +173,6 @@ def ddp_run(tmp: Path, traced: bool, steps: int, warmup: int) -> float:
         if not d.get("final") and d["index"] >= warmup:
             per_step.setdefault(d["index"], []).append(d["dur_ns"])
     return statistics.median(max(v) for v in per_step.values()) / 1e6
-
-
-def _ps_children(pid: int) -> list[int]:
-    from greyhound_bpf.probe.discovery import all_stats, descendants
-    return [p for p in descendants([pid], all_stats()) if p != pid]
 
 
 def part2(pairs: int, steps: int) -> dict:
