@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .diagnosis.crosssection import CrossSection
 from .diagnosis.passive import PassiveDiagnoser
 from .diagnosis.planner import PAUSE_BUDGET, ValidationPlanner
 from .diagnosis.rules import Result, decide, edges_of
@@ -35,6 +36,9 @@ from mitigation.policy import RESTART_ESTIMATE_S, SkiRentalPolicy
 # Attaching uprobes and the tracer's own start-up slow a job on a small host
 # for a moment after the probes are in: iterations until then are ours.
 SETTLE_S = 2.0
+# A verdict the same as one given this recently (by the other passive
+# method) is not said again.
+SAME_VERDICT_S = 60.0
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -149,9 +153,11 @@ class JobAnalysis:
                                     min_probability=c.min_probability, activity=self.activity)
         self.topology = Topology(catalog)
         self.passive = PassiveDiagnoser(topology=self.topology, activity=self.activity)
+        self.cross = CrossSection()
         self.planner = ValidationPlanner(enabled=c.validate, budget=c.pause_budget)
         self.policy = SkiRentalPolicy(global_microbatches=c.microbatches,
-                                      restart_estimate_s=c.restart_estimate_s)
+                                      restart_estimate_s=c.restart_estimate_s,
+                                      validate=c.validate)
         self.mode = "mitigate" if c.mitigate else "advise"
         self.next_seq = c.first_seq
         self.ranks: dict[int, _Rank] = {}          # pid -> identity
@@ -257,7 +263,10 @@ class JobAnalysis:
         if len(done) < len(docs):
             return []
         self.plan = None
-        self.activity.update(f"plan-{p.seq}", "plan", p.issued_ns, inp.t_ns)
+        # The ranks switched splits between their first and last ack: the
+        # iterations across that are neither split's speed.
+        applied = [int(d.get("applied_ns", inp.t_ns)) for r, d in docs.items() if r in done]
+        self.activity.update(f"plan-{p.seq}", "plan", min(applied), max(applied) + 1)
         ev = self._event("applied", inp.t_ns, seq=p.seq, ranks=done,
                          after_ms=round((inp.t_ns - p.issued_ns) / 1e6, 1))
         out = [ev] + self._observe(ev)
@@ -273,7 +282,6 @@ class JobAnalysis:
         self.mode = "advise"
         self.policy.withdraw()
         if self.plan is not None and self.plan.seq == inp.seq:
-            self.activity.update(f"plan-{inp.seq}", "plan", self.plan.issued_ns, inp.t_ns)
             self.plan = None
         return [self._event("action", inp.t_ns, strategy="none", seq=None, mode="advise",
                             plan={}, expected_ms=None,
@@ -285,7 +293,22 @@ class JobAnalysis:
         topo = self.topology.changed()
         if topo:
             out.append(self._event("topology", inp.t_ns, **topo))
-        return out + self._planner_tick(inp.t_ns)
+        out += self._planner_tick(inp.t_ns)
+        # Is the fault the plan in force works around gone? A measurement
+        # of its device, or (validation off) a trial at the even split.
+        rank = self.policy.recheck_due(inp.t_ns)
+        if rank is not None:
+            out += self._validation_events(self.planner.recheck(self._job_rank(rank),
+                                                                inp.t_ns), inp.t_ns)
+        out += self._actions(self.policy.trial_due(inp.t_ns), inp.t_ns)
+        return out
+
+    def _job_rank(self, dp_rank: int) -> int:
+        """The job rank of a data-parallel rank (the trainer's acks say)."""
+        for r, d in self.acks_seen.items():
+            if d.get("dp_rank", r) == dp_rank:
+                return r
+        return dp_rank
 
     # -- the chain after the engine ---------------------------------------------------
 
@@ -298,13 +321,15 @@ class JobAnalysis:
         t = ev["time_ns"]
         if ev["kind"] in ("slowdown", "recovery"):
             self.planner.observe(ev)
-        out = self._verdicts(self.passive.observe(ev), t)
+        out = self._verdicts(self.passive.observe(ev) + self.cross.observe(ev), t)
         out += self._mitigate(ev)
         return out
 
     def _verdicts(self, verdicts: list[Diagnosis], t_ns: int) -> list[dict]:
         out = []
         for v in verdicts:
+            if self._said_already(v, t_ns):
+                continue
             self.diagnoses.append(v)
             ev = self._event("diagnosis", t_ns, **v.fields())
             out.append(ev)
@@ -312,6 +337,17 @@ class JobAnalysis:
             if v.evidence == "passive":
                 out += self._validation_events(self.planner.consider(v, t_ns), t_ns)
         return out
+
+    def _said_already(self, v: Diagnosis, t_ns: int) -> bool:
+        """A cross-sectional verdict that a passive verdict of the same
+        evidence gave in the last SAME_VERDICT_S (or the reverse) adds nothing."""
+        for old in reversed(self.diagnoses[-8:]):
+            if (old.evidence == v.evidence and old.named and
+                    (old.cause, old.ranks, old.link) == (v.cause, v.ranks, v.link) and
+                    t_ns - old.details.get("at_ns", t_ns) <= SAME_VERDICT_S * 1e9):
+                return True
+        v.details.setdefault("at_ns", t_ns)
+        return False
 
     def _planner_tick(self, t_ns: int) -> list[dict]:
         return self._validation_events(self.planner.tick(t_ns), t_ns)
@@ -325,26 +361,21 @@ class JobAnalysis:
                     self.planner.done(f["id"], Diagnosis("validation", "unknown", "one rank"),
                                       t_ns)
                     continue
-                f = {**f, "ranks": ranks,
-                     "edges": [list(e) for e in edges_of(self.topology.fields(), ranks)]}
+                if f.get("devices"):
+                    # A recheck: the device and a witness, no links.
+                    witness = next(r for r in ranks if r not in f["devices"])
+                    f = {**f, "ranks": ranks, "devices": sorted({*f["devices"], witness}),
+                         "edges": []}
+                else:
+                    f = {**f, "ranks": ranks, "devices": ranks, "edges": [
+                        list(e) for e in edges_of(self.topology.fields(), ranks)]}
                 self.requests[f["id"]] = f
             out.append(self._event("validation", t_ns, **f))
         return out
 
     def _mitigate(self, ev: dict) -> list[dict]:
-        out = []
         t = ev["time_ns"]
-        for d in self.policy.observe(ev):
-            seq = None
-            if d.strategy != "none":
-                if self.mode == "mitigate":
-                    seq = self.next_seq
-                    self.next_seq += 1
-                    self.plan = _PlanInFlight(seq, d.strategy, d.expected_ms, t)
-                    self.activity.update(f"plan-{seq}", "plan", t, None)
-                else:
-                    self.policy.withdraw()          # advise only: reported, not written
-            out.append(self._event("action", t, seq=seq, mode=self.mode, **d.fields()))
+        out = self._actions(self.policy.observe(ev), t)
         due = self.outcome_due
         pol = self.policy
         if (due and ev["kind"] == "iteration" and pol.since_plan >= pol.window
@@ -353,4 +384,18 @@ class JobAnalysis:
             out.append(self._event("action", t, phase="outcome", seq=due.seq,
                                    strategy=due.strategy, expected_ms=due.expected_ms,
                                    achieved_ms=round(pol.recent_job_ms(), 3)))
+        return out
+
+    def _actions(self, decisions, t: int) -> list[dict]:
+        out = []
+        for d in decisions:
+            seq = None
+            if d.strategy != "none":
+                if self.mode == "mitigate":
+                    seq = self.next_seq
+                    self.next_seq += 1
+                    self.plan = _PlanInFlight(seq, d.strategy, d.expected_ms, t)
+                else:
+                    self.policy.withdraw()          # advise only: reported, not written
+            out.append(self._event("action", t, seq=seq, mode=self.mode, **d.fields()))
         return out

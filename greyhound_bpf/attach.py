@@ -131,8 +131,6 @@ class AttachSession:
         self.metrics = None
         self.live = None                           # rich.live.Live while the TUI runs
         self.tui_state = None
-        self._rates: dict[int, tuple[float, int]] = {}   # pid -> (time, calls) at last view
-        self._calls_total = (0.0, 0)
         self.exited_pids: set[int] = set()
         self.validator = None                      # diagnosis.validator.Service, at first use
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
@@ -345,14 +343,31 @@ class AttachSession:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
             self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),
                       ranks=[t.describe() for t, _ in attached],
-                      probes=sum(len(ps) for _, ps in attached), functions=fns)
+                      probes=sum(len(ps) for _, ps in attached), functions=fns,
+                      subprocesses=self._subprocesses())
             for t, ps in attached:
                 who = f"rank {t.rank}" if t.rank is not None else "process"
                 self.say(f"attached {len(ps)} probes to {who} (pid {t.pid}, "
                          f"{safe(t.comm, 16)}): {', '.join(sorted(t.libraries))}")
 
+    def _subprocesses(self) -> list[dict]:
+        """The ranks' subprocesses found by the last scan (not ranks, not probed)."""
+        out = []
+        for pid, owner in self.discovery.new_subprocesses:
+            st = read_stat(pid)
+            t = self.known.get(owner) or self.discovery.targets.get(owner)
+            out.append({"pid": pid, "of_pid": owner, "rank": t.rank if t else None,
+                        "comm": st.comm if st else "?"})
+        if out:
+            self.say(f"{len(out)} subprocess(es) of ranks (DataLoader or compile workers: not "
+                     "ranks, not probed): " + ", ".join(f"pid {d['pid']} of rank {d['rank']}"
+                                                         for d in out))
+        return out
+
     def _rescan(self) -> None:
         new, exited, grown = self.discovery.scan()
+        if self.discovery.new_subprocesses and not new:
+            self._subprocesses()
         for t in exited:
             self.exited_pids.add(t.pid)
             self.tracer.detach(t.pid)
@@ -434,8 +449,10 @@ class AttachSession:
             from .diagnosis.validator import Service
             self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
                                      self.now_ns, self.opts.pause_max_s)
-        self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]])
-        self.say(f"validating {len(members)} ranks' devices and links ({ev['reason']})")
+        self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]],
+                               ev.get("devices"))
+        self.say(f"validating {len(ev.get('devices') or members)} device(s) and "
+                 f"{len(ev['edges'])} link(s) ({ev['reason']})")
 
     def _collect_validation(self) -> None:
         while True:
@@ -494,41 +511,12 @@ class AttachSession:
         self.live.start()
 
     def _snapshot(self, elapsed: float, width: int | None = None):
-        from .output.tui import RankRow, Snapshot
-        now = time.monotonic()
-        rows = []
-        stragglers = self.tui_state.stragglers
-        named = self.analysis.straggler
-        total = 0
-        for rs in self.stats._sorted():
-            calls = sum(f.count for f in rs.fns.values())
-            total += calls
-            t_prev, c_prev = self._rates.get(rs.pid, (now, calls))
-            rate = (calls - c_prev) / (now - t_prev) if now > t_prev else 0.0
-            if now - t_prev >= 1.0 or rs.pid not in self._rates:
-                self._rates[rs.pid] = (now, calls)
-            v = self.analysis.rank_view(rs.pid)
-            state = v["state"]
-            if rs.pid in self.exited_pids:
-                state = "exited"
-            elif rs.rank is not None and rs.rank == named:
-                state = "straggler"
-            elif rs.rank in stragglers and state == "ok":
-                state = "slow"
-            rows.append(RankRow(rs.rank, rs.pid, rs.comm, v["iter_ms"], v["comm_frac"],
-                                max(rate, 0.0), state))
-        t_prev, c_prev = self._calls_total
-        ev_rate = (total - c_prev) / (now - t_prev) if t_prev and now > t_prev else 0.0
-        if not t_prev or now - t_prev >= 1.0:
-            self._calls_total = (now, total)
-        probes = sum(len(ps) for ps in self.tracer.probes.values()) if self.tracer else 0
-        return Snapshot(job=self.job, elapsed_s=elapsed, probes=probes,
-                        events_per_s=max(ev_rate, 0.0), lost=self.lost_reported,
-                        ranks=tuple(rows), history=tuple(self.tui_state.history),
-                        marks=self.tui_state.marks_in_history(),
-                        log=tuple(self.tui_state.log),
-                        mode=self.analysis.mode,
-                        width=width or (self.live.console.width if self.live else 80))
+        return self.tui_state.snapshot(
+            job=self.job, elapsed_s=elapsed, stats=self.stats, view=self.analysis.rank_view,
+            straggler=self.analysis.straggler, exited=self.exited_pids,
+            probes=sum(len(ps) for ps in self.tracer.probes.values()) if self.tracer else 0,
+            lost=self.lost_reported, mode=self.analysis.mode,
+            width=width or (self.live.console.width if self.live else 80))
 
     # -- the end ---------------------------------------------------------------
 

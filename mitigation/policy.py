@@ -1,33 +1,54 @@
-"""When to act on a slowdown, and how: a ski-rental policy over S1..S4.
+"""When to act on a slowdown, and how: a ski-rental policy over S1..S4 that
+holds a plan while its fault lasts.
 
-The policy reads the same events every other consumer reads (`iteration`,
-`slowdown`, `recovery`) plus what the trainer announced in its acks, and
-returns Decisions; it does no I/O, so the live session, replays and tests
-drive it the same way.
+The policy reads the event stream every other consumer reads (speed-sample
+`iteration`s, job `slowdown` / `recovery`, `diagnosis`) plus what the
+trainer announced in its acks, and returns Decisions; it does no I/O, so
+the live attach, a replay and tests drive it the same way.
 
-The rule (ski rental: rent until the rent paid equals the price, then buy):
+An *episode* begins with a job slowdown, or with a verdict naming one
+rank's computation while the job shows no slowdown (a job already slow at
+attach, a fault the job-level detector missed). Within it:
 
-- The *loss* of a slowdown is the time it has cost so far, sum over
-  iterations of (iteration time - healthy iteration time), counted from the
-  onset the detector reports.
-- Each strategy has a *cost*: S2 (rebalance micro-batches) about one
-  iteration plus the solver's time; S3 (pipeline re-split) and S4
-  (checkpoint-restart) the restart time as observed by the supervisor, or
-  `restart_estimate_s` until one has been observed.
-- A strategy is taken when the loss it would have avoided reaches its cost,
-  and only if it is predicted to help (at least `min_gain` faster). S2 is
-  cheap, so it happens once the slowdown has lasted `min_lasted_s` (1 s;
-  a shorter one is a blip of a busy host: S1, do nothing); S3/S4 need the
-  slowdown to persist until its remaining loss (what S2 could not win back)
-  pays for a restart.
-- While a plan is in force the per-rank speeds are re-measured every
-  `window` iterations; when the best split differs from the one in force by
-  more than `min_gain` (for example the slow rank recovered) a new plan is
-  issued, down to the even split.
-
-Per-rank speed comes from passive evidence: a data-parallel rank's compute
-time per iteration (iteration time minus its time blocked in collectives)
-over the micro-batches it runs is its time per micro-batch.
+1. **Who.** Only a verdict names the straggler: validated over passive,
+   and a later verdict naming another rank replaces it. Without one nothing
+   is planned: rebalancing cannot help a communication slowdown, and on an
+   unknown one it would be a guess.
+2. **How fast.** Each rank's compute per micro-batch (compute time over the
+   micro-batches it ran), median over the episode's samples taken under the
+   split in force. The straggler must measure slower than the others'
+   median by MIN_SLOWER; where host-side compute cannot show it (GPUs: NCCL
+   is asynchronous) but validation measured its device slow, its speed is
+   the others' times its measured GEMM ratio.
+3. **When (ski rental).** The *loss* is the time the episode has cost, the
+   sum over job iterations of (iteration - healthy); a rebalance *costs*
+   about one iteration plus SOLVE_COST_MS. The first plan comes once the
+   episode has lasted `min_lasted_s` (shorter ones are a busy host's blips)
+   and its loss has reached that cost, if the best split is predicted at
+   least `min_gain` faster.
+4. **Where work may go.** Only onto ranks shown healthy: the straggler is
+   capped at the count it runs now, any other rank named slow at its own;
+   the rest are free.
+5. **Hold.** The plan stays while the fault lasts. Speeds measured under a
+   plan never decide that the fault is gone: a CFS quota caps throughput,
+   so a throttled rank given less work looks healthy per micro-batch. One
+   refinement at most: when the plan runs REFINE_OFF slower than predicted
+   and the speeds measured under it predict a split 2 x `min_gain` better,
+   in which the straggler's count only goes down.
+6. **Is the fault gone?** Evidence that does not depend on the plan: a
+   validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
+   after the plan was applied and then at doubling intervals (the
+   validation budget applies); a validated verdict that measures it healthy
+   returns the even split and ends the episode. With validation off, a
+   trial return to the even split after TRIAL_AFTER_S (doubling): if the
+   job runs within RECOVERED of healthy at the even split for `window`
+   iterations, it stays; if not, the plan returns (a trial and its revert
+   are not plan changes; their cost is bounded by the doubling).
+7. **At most MAX_CHANGES plan changes per episode**, besides the return to
+   even.
+8. **Restarts (S3/S4)** when the trainer can checkpoint and the loss a
+   restart would have avoided pays for the observed (or estimated)
+   restart: a pipeline re-split, or leaving out ranks slower than 2x.
 """
 from __future__ import annotations
 
@@ -37,10 +58,10 @@ from dataclasses import dataclass, field
 
 from greyhound_bpf.events import is_speed_sample
 
-from .rebalance import RebalanceError, even_split, greedy_makespan, solve
-from .resplit import resplit
+from .rebalance import RebalanceError, even_split, solve
+from .restart import Decision, restart_decision
 
-RESTART_ESTIMATE_S = 60.0
+RESTART_ESTIMATE_S = 60.0   # a restart's cost until greyhound-run has measured one
 # A slowdown is a blip, and gets no plan, until it has lasted this long (as
 # for the passive diagnosis: a busy host slows a rank for a moment).
 MIN_LASTED_S = 1.0
@@ -51,77 +72,108 @@ RECOVERED = 0.15
 # constant, not the measured time: the policy is part of a pure analysis,
 # whose replay must decide the same.
 SOLVE_COST_MS = 25.0
-
-
-@dataclass
-class Decision:
-    strategy: str                 # none / rebalance_microbatches / reconfigure_pipeline / checkpoint_restart
-    reason: str
-    expected_ms: float | None = None
-    plan: dict = field(default_factory=dict)      # ControlWriter.issue keyword arguments
-    numbers: dict = field(default_factory=dict)   # the figures behind the decision
-
-    def fields(self) -> dict:
-        return {"strategy": self.strategy, "reason": self.reason,
-                "expected_ms": None if self.expected_ms is None else round(self.expected_ms, 3),
-                "plan": {k: ({str(r): n for r, n in v.items()} if isinstance(v, dict) and
-                             k == "microbatches" else v) for k, v in self.plan.items()},
-                **{k: (round(v, 3) if isinstance(v, float) else v)
-                   for k, v in self.numbers.items()}}
+# The straggler's compute per micro-batch must be this much over the others'
+# median for host-side timing to show it (the diagnosis's own bar is higher).
+MIN_SLOWER = 0.10
+# A plan may be refined once, when it runs this much slower than predicted.
+REFINE_OFF = 0.15
+MAX_CHANGES = 2
+# Is the fault gone? A recheck of the straggler's device this long after the
+# plan was applied, then at doubling intervals...
+RECHECK_AFTER_S = 20.0
+RECHECK_MAX_S = 320.0
+# ...or, with validation off, a trial return to the even split.
+TRIAL_AFTER_S = 30.0
 
 
 @dataclass
 class _Rank:
+    end_ns: deque
     dur_ms: deque
     compute_ms: deque
-    end_ns: deque
-    last_ns: int = 0
+    count: deque                  # micro-batches this rank ran in each sample
 
-    def keep_after(self, t_ns: int) -> None:
-        """Drop the samples of iterations that ended by t_ns."""
-        rows = [x for x in zip(self.end_ns, self.dur_ms, self.compute_ms) if x[0] > t_ns]
-        for q in (self.end_ns, self.dur_ms, self.compute_ms):
+    def clear(self) -> None:
+        for q in (self.end_ns, self.dur_ms, self.compute_ms, self.count):
             q.clear()
-        for e, d, c in rows:
-            self.end_ns.append(e)
-            self.dur_ms.append(d)
-            self.compute_ms.append(c)
+
+
+@dataclass
+class _Episode:
+    onset_ns: int
+    healthy_ms: float | None
+    loss_ms: float = 0.0
+    straggler: int | None = None         # dp rank
+    evidence: str = ""                   # what named it
+    gemm_ratio: float | None = None      # validated: its device against the reference
+    named_slow: set = field(default_factory=set)
+    changes: int = 0                     # plans made (not counting the return to even)
+    said_none: str | None = None         # the last `none` reason said
+    plan_ms: float | None = None         # the prediction of the plan in force
+    planned_for: int | None = None       # the straggler the plan in force works around
+    refined: bool = False
+    recheck_at_ns: int | None = None
+    recheck_every_s: float = RECHECK_AFTER_S
+    trial: dict | None = None            # a trial return to even in progress
+    restart_considered: bool = False
 
 
 class SkiRentalPolicy:
     def __init__(self, *, global_microbatches: int | None = None, world: int | None = None,
-                 window: int = 8, min_gain: float = 0.05, min_slower: float = 0.25,
+                 window: int = 8, min_gain: float = 0.05,
                  restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True,
-                 min_lasted_s: float = MIN_LASTED_S):
-        self.window, self.min_gain, self.min_slower = window, min_gain, min_slower
+                 min_lasted_s: float = MIN_LASTED_S, validate: bool = True):
+        self.window, self.min_gain = window, min_gain
         self.min_lasted_ns = int(min_lasted_s * 1e9)
         self.global_microbatches, self.world = global_microbatches, world
         self.restart_estimate_s = restart_estimate_s
         self.restart_observed_s: float | None = None
-        self.allow_restart = allow_restart
+        self.allow_restart, self.validate = allow_restart, validate
         self.ranks: dict[int, _Rank] = {}
         self.announced: dict[int, dict] = {}      # rank -> its last ack document
         self.split: dict[int, int] | None = None  # dp_rank -> micro-batches now in force
         self.planned: dict[int, int] | None = None  # issued, not yet applied by every rank
-        self.slow = False
-        self.healthy_ms: float | None = None
-        self.loss_ms = 0.0
-        self.since_plan = 0                       # job iterations since the last plan applied
-        self.restart_considered = False
-        self.said_none = False
-        self.last_plan: dict[int, int] | None = None
-        self.job_history: deque = deque(maxlen=window)   # job iteration times (ms)
-        self.pending = False                           # decide once enough slow samples
-        self.straggler: int | None = None              # dp rank the plan in force works around
-        self._last_verdict: int | None = None          # slowest rank at the last look (or None)
-        self._streak = 0                               # looks in a row with that verdict
-        self._next_look = 1                            # iterations before a pending look
-        self._confirming = False
-        self.planned_ns = 0                            # when the plan in flight was made
-        self.applied_ns = 0                            # when the plan in force was applied
+        self.advised: dict[int, int] | None = None  # the last split advised (advise only)
+        self.episode: _Episode | None = None
+        self.since_plan = 0                       # job iterations since the split changed
+        self.applied_ns = 0
+        self.planned_ns = 0
         self.unapplied_said = False
+        self.job_history: deque = deque(maxlen=window)
         self._now_ns = 0
-        self.onset_ns = 0                          # the slowdown's onset
+
+    # -- read-only state --------------------------------------------------------------
+
+    @property
+    def straggler(self) -> int | None:
+        """The dp rank the plan in force works around."""
+        e = self.episode
+        return e.straggler if e is not None and e.changes and not self._is_even() else None
+
+    @property
+    def slow(self) -> bool:
+        return self.episode is not None
+
+    def recent_job_ms(self) -> float | None:
+        """Job iteration time over the current samples: the median over ranks
+        of each rank's median."""
+        meds = [statistics.median(r.dur_ms) for r in self.ranks.values() if r.dur_ms]
+        return statistics.median(meds) if meds else None
+
+    def job_ms(self) -> float | None:
+        lasts = [r.dur_ms[-1] for r in self.ranks.values() if r.dur_ms]
+        return statistics.median(lasts) if lasts else None
+
+    def recheck_due(self, now_ns: int) -> int | None:
+        """The rank whose device should be measured again now (is the fault
+        that the plan in force works around gone?), or None."""
+        e = self.episode
+        if (e is None or not self.validate or e.recheck_at_ns is None
+                or now_ns < e.recheck_at_ns or self.straggler is None):
+            return None
+        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
+        return e.straggler
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -134,21 +186,27 @@ class SkiRentalPolicy:
             if isinstance(n, int) and isinstance(dp, int):
                 counts[dp] = n
         if counts and (self.world is None or len(counts) == self.world):
-            self.split = counts
             self.world = len(counts)
             self.global_microbatches = sum(counts.values())
-        if self.planned is not None and self.split == self.planned:
-            self.planned = None
-            self.since_plan = 0
-            self._reset_windows()
-            # Iterations that started before the last rank applied the plan
-            # still ran the old split (the tracer reports them late).
-            self.applied_ns = max((int(d.get("applied_ns", 0)) for d in docs.values()),
-                                  default=0)
+            changed = counts != self.split
+            self.split = counts
+            if self.planned is not None and counts == self.planned:
+                self.planned = None
+                # Iterations that started before the last rank applied the
+                # plan still ran the old split (the tracer reports them late).
+                self.applied_ns = max((int(d.get("applied_ns", 0)) for d in docs.values()),
+                                      default=0)
+                changed = True
+            if changed:
+                self.since_plan = 0
+                for r in self.ranks.values():
+                    r.clear()
 
     def withdraw(self) -> None:
-        """Advise-only mode: the plan was reported, not written; do not
-        wait for acks of it."""
+        """Advise only: the plan was reported, not written; nothing will
+        apply it."""
+        if self.planned is not None:
+            self.advised = self.planned
         self.planned = None
 
     def restart_cost(self) -> tuple[float, str]:
@@ -161,68 +219,124 @@ class SkiRentalPolicy:
         if is_speed_sample(ev):
             return self._iteration(ev)
         if kind == "slowdown" and ev.get("scope") == "job":
-            if not self.slow:
-                self.slow = True
-                self.healthy_ms = float(ev["before_ms"])
-                self.said_none = False
-                self.restart_considered = False
-                self.onset_ns = int(ev["onset_ns"])
-                # Job times from before the detection would read as a
-                # recovery at the next iteration: start over.
-                self.job_history.clear()
+            if self.episode is None:
+                self._begin(int(ev["onset_ns"]), float(ev["before_ms"]))
                 # What the slowdown cost before it was detected.
                 lag = max(0, int(ev["detected_index"]) - int(ev["index"]))
-                self.loss_ms = lag * max(0.0, float(ev["after_ms"]) - self.healthy_ms)
-                # Speeds from the slow iterations only.
-                for r in self.ranks.values():
-                    r.keep_after(int(ev["onset_ns"]))
-                if self._full(3):
-                    return self._decide()
-                self.pending = True
-        if kind == "recovery" and ev.get("scope") == "job" and self.planned is None:
-            # A faster level is not a recovery until it is back near the
-            # healthy speed: a slowdown can ease from 2x to 1.5x and go on.
-            back = self.healthy_ms is None or \
-                float(ev["after_ms"]) <= self.healthy_ms * (1 + RECOVERED)
-            if back and (self.split is None or self._is_even(self.split)):
-                self.slow = False
-                self.loss_ms = 0.0
-                self.pending = False
+                self.episode.loss_ms = lag * max(0.0, float(ev["after_ms"])
+                                                 - float(ev["before_ms"]))
+            return []
+        if kind == "recovery" and ev.get("scope") == "job":
+            e = self.episode
+            back = e is not None and (e.healthy_ms is None or
+                                      float(ev["after_ms"]) <= e.healthy_ms * (1 + RECOVERED))
+            if back and not e.changes and self.planned is None and self._is_even():
+                self.episode = None          # over before any plan: a blip, or it eased
+            return []
+        if kind == "diagnosis":
+            return self._diagnosis(ev)
         return []
 
-    # -- state ------------------------------------------------------------------------
+    # -- the episode ------------------------------------------------------------------
 
-    def _reset_windows(self) -> None:
+    def _begin(self, onset_ns: int, healthy_ms: float | None) -> None:
+        self.episode = _Episode(onset_ns, healthy_ms)
+        self.job_history.clear()
         for r in self.ranks.values():
-            r.dur_ms.clear()
-            r.compute_ms.clear()
+            # Speeds from the slow iterations only.
+            keep = [x for x in zip(r.end_ns, r.dur_ms, r.compute_ms, r.count) if x[0] > onset_ns]
+            r.clear()
+            for e, d, c, n in keep:
+                r.end_ns.append(e)
+                r.dur_ms.append(d)
+                r.compute_ms.append(c)
+                r.count.append(n)
+
+    def _diagnosis(self, ev: dict) -> list[Decision]:
+        cause, ranks, evidence = ev.get("cause"), ev.get("ranks") or [], ev.get("evidence")
+        e = self.episode
+        if evidence == "validation" and e is not None and e.straggler is not None:
+            measured = (ev.get("details") or {}).get("devices") or {}
+            if str(e.straggler) in measured and not (cause == "computation"
+                                                     and e.straggler in ranks):
+                if self.straggler is not None:
+                    # Its device measures healthy now: the fault is gone.
+                    return self._end(f"rank {e.straggler}'s device measures healthy again: "
+                                     "back to the even split")
+                if not e.changes:
+                    # Measured healthy before any plan: the passive name was
+                    # a busy moment; wait for another verdict.
+                    e.named_slow.discard(e.straggler)
+                    e.straggler, e.evidence = None, ""
+        if cause != "computation" or len(ranks) != 1:
+            return []
+        s = self._dp(int(ranks[0]))
+        if e is None:
+            # A straggler with no job slowdown: the job was already slow (or
+            # the job-level detector missed it). The loss counts from now.
+            self._begin(int(ev["time_ns"]), None)
+            e = self.episode
+        if e.straggler is not None and e.straggler != s and e.evidence == "validation" \
+                and evidence == "passive":
+            return []                        # a validated verdict outranks a passive one
+        e.named_slow.add(s)
+        if e.straggler != s or evidence == "validation":
+            e.straggler, e.evidence = s, evidence
+            if evidence == "validation":
+                d = (ev.get("details") or {}).get("devices", {}).get(str(ranks[0]))
+                ref = (ev.get("details") or {}).get("gemm_reference_ms")
+                if d and ref:
+                    e.gemm_ratio = float(d["ms_per_gemm"]) / float(ref)
+        return self._decide() if self.planned is None else []
+
+    def _end(self, reason: str) -> list[Decision]:
+        out = []
+        if not self._is_even():
+            out = [self._plan(self._even(), reason, even=True)]
+        self.episode = None
+        return out
+
+    def _dp(self, rank: int) -> int:
+        d = self.announced.get(rank)
+        return int(d.get("dp_rank", rank)) if d else rank
+
+    # -- samples ----------------------------------------------------------------------
 
     def _iteration(self, ev: dict) -> list[Decision]:
         if ev["start_ns"] < self.applied_ns:
             return []
-        if self.slow and ev["start_ns"] + ev["dur_ns"] <= self.onset_ns:
+        end = ev["start_ns"] + ev["dur_ns"]
+        e = self.episode
+        if e is not None and end <= e.onset_ns:
             # A rank's events can arrive late, after another rank's have
-            # already shown the slowdown: an iteration that ended before
-            # the onset is not a sample of the slow speed (keep_after).
+            # shown the slowdown: an iteration that ended before the onset
+            # is not a sample of the slow speed.
             return []
         rank = int(ev["rank"])
         keep = 4 * self.window
         r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),
-                                              deque(maxlen=keep)))
+                                              deque(maxlen=keep), deque(maxlen=keep)))
+        split = self._current_split()
+        dp = self._dp(rank)
+        r.end_ns.append(end)
         r.dur_ms.append(ev["dur_ns"] / 1e6)
         r.compute_ms.append(ev["compute_ns"] / 1e6)
-        r.last_ns = ev["start_ns"] + ev["dur_ns"]
-        r.end_ns.append(r.last_ns)
-        self._now_ns = max(self._now_ns, r.last_ns)
+        r.count.append(split.get(dp) if split else None)
+        self._now_ns = max(self._now_ns, end)
         if rank != min(self.ranks):
             return []
         # One job iteration per iteration of the lowest rank.
         job_ms = self.job_ms()
+        self.since_plan += 1
         if job_ms is not None:
             self.job_history.append(job_ms)
-        if self.slow and job_ms is not None and self.healthy_ms:
-            self.loss_ms += max(0.0, job_ms - self.healthy_ms)
-        self.since_plan += 1
+        if e is None:
+            return []
+        if job_ms is not None:
+            if e.healthy_ms is None:
+                e.healthy_ms = self._healthy_estimate()
+            if e.healthy_ms:
+                e.loss_ms += max(0.0, job_ms - e.healthy_ms)
         if self.planned is not None:
             if self.since_plan >= 3 * self.window and not self.unapplied_said and \
                     ev["start_ns"] - self.planned_ns > 10e9:
@@ -231,43 +345,34 @@ class SkiRentalPolicy:
                                          f"{self.since_plan} iterations: is the trainer "
                                          "reading the control file?", numbers=self._numbers())]
             return []
-        even_now = self.split is None or self._is_even(self.split)
-        if (self.slow and even_now and self.healthy_ms and len(self.job_history) == self.window
-                and self.since_plan >= self.window
-                and statistics.median(self.job_history) <= self.healthy_ms * (1 + self.min_gain)):
-            self.slow = False        # back to healthy speed on the even split
-            self.loss_ms = 0.0
-            return []
-        if self.pending and self.since_plan >= self._next_look and self._full(3):
-            self.pending = False
+        if e.trial is not None:
+            return self._trial_step()
+        if self.since_plan % self.window == 0 or not e.changes:
             return self._decide()
-        if self.slow and even_now:
-            # Slow and nothing done yet: look again every window.
-            if self.since_plan >= self.window and self._full(self.window):
-                return self._decide()
-        elif not even_now:
-            # A plan in force: look again every 4 windows, over the samples
-            # taken since it was applied.
-            if self.since_plan >= 4 * self.window and self._full(4 * self.window):
-                return self._decide()
         return []
 
-    def _full(self, n: int | None = None) -> bool:
-        n = self.window // 2 if n is None else n
+    def _healthy_estimate(self) -> float | None:
+        """Without a slowdown to measure against (the job was already slow):
+        the iteration time it would have if the straggler computed as fast
+        as the others."""
+        e = self.episode
+        if e is None or e.straggler is None:
+            return None
+        comp = {self._dp(rank): statistics.median(r.compute_ms)
+                for rank, r in self.ranks.items() if r.compute_ms}
+        job = self.recent_job_ms()
+        if e.straggler not in comp or len(comp) < 2 or job is None:
+            return None
+        others = statistics.median(v for k, v in comp.items() if k != e.straggler)
+        return max(job - max(0.0, comp[e.straggler] - others), 1e-3)
+
+    def _full(self, n: int) -> bool:
         return bool(self.ranks) and all(len(r.compute_ms) >= n for r in self.ranks.values())
 
-    def recent_job_ms(self) -> float | None:
-        """Job iteration time over the current samples (since the onset of
-        a slowdown, or since the plan in force was applied): the median
-        over ranks of each rank's median."""
-        meds = [statistics.median(r.dur_ms) for r in self.ranks.values() if r.dur_ms]
-        return statistics.median(meds) if meds else None
-
-    def job_ms(self) -> float | None:
-        lasts = [r.dur_ms[-1] for r in self.ranks.values() if r.dur_ms]
-        return statistics.median(lasts) if lasts else None
-
-    def _is_even(self, split: dict[int, int]) -> bool:
+    def _is_even(self, split: dict[int, int] | None = None) -> bool:
+        split = split if split is not None else self.split
+        if split is None:
+            return True
         return sorted(split.values(), reverse=True) == even_split(sum(split.values()), len(split))
 
     def _current_split(self) -> dict[int, int] | None:
@@ -277,226 +382,165 @@ class SkiRentalPolicy:
             return dict(enumerate(even_split(self.global_microbatches, self.world)))
         return None
 
-    # -- decisions ------------------------------------------------------------------
+    def _even(self) -> dict[int, int]:
+        split = self._current_split()
+        order = sorted(split)
+        return dict(zip(order, even_split(sum(split.values()), len(order))))
+
+    def _speeds(self) -> dict[int, float] | None:
+        """dp rank -> its compute per micro-batch (median over its samples)."""
+        out: dict[int, list[float]] = {}
+        for rank, r in self.ranks.items():
+            dp = self._dp(rank)
+            vals = [c / n for c, n in zip(r.compute_ms, r.count) if n]
+            if vals:
+                out[dp] = vals
+        split = self._current_split()
+        if split is None or set(out) != set(split):
+            return None
+        return {k: max(statistics.median(v), 1e-6) for k, v in out.items()}
+
+    # -- decisions --------------------------------------------------------------------
+
+    def _numbers(self, **extra) -> dict:
+        e = self.episode
+        return {"loss_ms": e.loss_ms if e else 0.0, "healthy_ms": e.healthy_ms if e else None,
+                "current_ms": self.job_ms(), **extra}
+
+    def _none(self, why: str) -> list[Decision]:
+        e = self.episode
+        if e is None or e.said_none == why.split(":")[0]:
+            return []
+        e.said_none = why.split(":")[0]
+        return [Decision("none", why, self.job_ms(), numbers=self._numbers())]
 
     def _decide(self) -> list[Decision]:
-        out = []
-        d = self._rebalance()
-        if d is not None:
-            out.append(d)
-        elif self.slow and not self.said_none and not self._confirming:
-            out.append(self._none())
+        e = self.episode
+        if e is None or self.planned is not None or not self._full(3):
+            return []
+        out = self._rebalance()
         r = self._restart()
         if r is not None:
             out.append(r)
-        self.since_plan = 0
         return out
 
-    def _none(self) -> Decision:
-        self.said_none = True
-        why = self._why_not_rebalance or "nothing predicted to help yet"
-        return Decision("none", why, self.job_ms(), numbers=self._numbers())
-
-    _why_not_rebalance: str | None = None
-
-    def _numbers(self, **extra) -> dict:
-        return {"loss_ms": self.loss_ms, "healthy_ms": self.healthy_ms,
-                "current_ms": self.job_ms(), **extra}
-
-    def _samples(self, split: dict[int, int]) -> dict[int, list[float]] | None:
-        """dp rank -> its recent times per micro-batch (compute / count)."""
-        dp_of = {rank: d.get("dp_rank", rank) for rank, d in self.announced.items()}
-        out = {}
-        for rank, r in self.ranks.items():
-            dp = dp_of.get(rank, rank)
-            if dp in split and r.compute_ms:
-                out[dp] = [max(c, 1e-6) / split[dp] for c in r.compute_ms]
-        return out if set(out) == set(split) else None
-
-    def _per_microbatch(self, split: dict[int, int]) -> dict[int, float] | None:
-        s = self._samples(split)
-        return None if s is None else {k: statistics.median(v) for k, v in s.items()}
-
-    def _significantly_slow(self, samples: dict[int, list[float]]) -> int | None:
-        """The rank that is slower at compute beyond noise: its median time
-        per micro-batch is `min_slower` (25%) over the other ranks' pooled
-        median, and at least 80% of its samples lie above that median.
-        Per-iteration samples vary by 10-30% on a busy node, ranks differ
-        by a few percent for good (rank 0 often does a little more), and on
-        a shared 2-core host one rank runs 15-20% slower for seconds at a
-        time (the diagnosis names nothing under 25% either): none is a
-        fail-slow worth a plan."""
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        worst = max(med, key=med.get)
-        others = [x for k, v in samples.items() if k != worst for x in v]
-        if not others:
-            return None
-        ref = statistics.median(others)
-        above = sum(x > ref for x in samples[worst]) / len(samples[worst])
-        if med[worst] > ref * (1 + self.min_slower) and above >= 0.8:
-            return worst
-        return None
-
-    def _rebalance(self) -> Decision | None:
-        self._why_not_rebalance = None
+    def _rebalance(self) -> list[Decision]:
+        e = self.episode
         split = self._current_split()
         if split is None:
-            self._why_not_rebalance = ("the global micro-batch count is unknown (the trainer "
-                                       "announces it through the control file, or --microbatches)")
-            return None
-        samples = self._samples(split)
-        if samples is None:
-            self._why_not_rebalance = "not every data-parallel rank is measured yet"
-            return None
-        t = {k: statistics.median(v) for k, v in samples.items()}
+            return self._none("the global micro-batch count is unknown (the trainer announces "
+                              "it through the control file, or --microbatches)")
+        if e.straggler is None:
+            return self._none("no rank is named slower at compute: rebalancing cannot help")
+        new_straggler = e.changes and e.planned_for != e.straggler
+        if e.changes >= MAX_CHANGES or (e.changes and not new_straggler and (
+                e.refined or self._is_even())):
+            # Holding the plan in force (or, advise only, the advice given:
+            # nothing applied it, so nothing measured it to refine).
+            return []
+        if self._now_ns - e.onset_ns < self.min_lasted_ns:
+            return []                        # a blip so far
+        cost_ms = (e.healthy_ms or self.job_ms() or 0.0) + SOLVE_COST_MS
+        if not e.changes and e.loss_ms < cost_ms:
+            return []                        # the loss grows each iteration: look again
+        if e.changes and not new_straggler and (
+                self.since_plan < 2 * self.window or self.recent_job_ms() is None
+                or self.recent_job_ms() <= e.plan_ms * (1 + REFINE_OFF)):
+            return []                        # the plan runs as predicted: hold it
+        t = self._speeds()
+        if t is None:
+            return []                        # not every rank measured yet
+        s = e.straggler
+        others = statistics.median(v for k, v in t.items() if k != s)
+        if t[s] < others * (1 + MIN_SLOWER):
+            if e.gemm_ratio is not None and e.gemm_ratio > 1 + MIN_SLOWER and not e.changes:
+                # Host-side compute cannot show a slow device (GPUs): its
+                # measured GEMM ratio can.
+                t[s] = others * e.gemm_ratio
+            elif not e.changes:
+                return self._none(f"dp rank {s} is named slow, but its compute per "
+                                  f"micro-batch ({t[s]:.2f} ms) is not over the others' "
+                                  f"({others:.2f} ms): no split would help")
         order = sorted(split)
         times = [t[k] for k in order]
         counts_now = [split[k] for k in order]
         total = sum(counts_now)
-        now_pred = max(n * x for n, x in zip(counts_now, times))
-        slowest = self._significantly_slow(samples)
-        # Persistence: the same verdict on two looks in a row (each over
-        # its own window of samples) before a plan changes. Ranks of a job
-        # on a busy node take turns being slower for a window or two.
-        verdict = slowest
-        self._streak = self._streak + 1 if verdict == self._last_verdict else 1
-        self._last_verdict = verdict
-        self._confirming = self._streak < 2
-        if self._confirming:
-            self.pending = True
-            self._next_look = max(1, self.window // 2)
-            self._why_not_rebalance = ("confirming: " + ("no rank is slower at compute"
-                                       if slowest is None else f"dp rank {slowest} looks slow"))
-            return None
-        if not self.slow and self._is_even(split):
-            # No slowdown in progress: nothing to win back, whatever one
-            # window of samples says (the ski-rental loss is zero).
-            self._why_not_rebalance = "no slowdown in progress"
-            return None
-        if slowest is None:
-            if not self._is_even(split):
-                # The rank that was slow is not any more: back to even.
-                even = dict(zip(order, even_split(total, len(order))))
-                even_pred = max(even[k] * t[k] for k in order)
-                self.straggler = None
-                return self._plan(even, now_pred, even_pred,
-                                  "no rank is slower at compute any more: back to the even split")
-            self._why_not_rebalance = ("no rank is slower at compute beyond noise: "
-                                       "rebalancing cannot help")
-            return None
+        # Work goes only onto ranks shown healthy.
+        caps = [split[k] if k in e.named_slow else total for k in order]
         try:
-            best = solve(times, total)
-            solve_ms = SOLVE_COST_MS
-        except RebalanceError as e:
-            self._why_not_rebalance = f"no split: {e}"
-            return None
+            best = solve(times, total, caps=caps)
+        except RebalanceError as err:
+            return self._none(f"no split: {err}")
+        now_pred = max(n * x for n, x in zip(counts_now, times))
         gain = now_pred / best.makespan - 1
-        if self.last_plan == dict(zip(order, best.counts)) and self.planned is None \
-                and self.split != self.last_plan:
-            return None          # advised already (advise-only mode): not again
-        # Hysteresis: a new split must be clearly better than the one running,
-        # twice as clearly when it only refines a plan already in force.
-        need = self.min_gain if self._is_even(split) else 2 * self.min_gain
+        need = 2 * self.min_gain if e.changes else self.min_gain
         if gain < need or list(best.counts) == counts_now:
-            self._why_not_rebalance = f"the best split gains {gain:.0%}, under {need:.0%}"
-            return None
-        job_ms = self.job_ms() or now_pred
-        iteration_ms = self.healthy_ms or job_ms
-        cost_ms = iteration_ms + solve_ms
-        lasted_ns = self._now_ns - self.onset_ns
-        if self.slow and lasted_ns < self.min_lasted_ns:
-            self.pending = True        # a blip so far: look again
-            self._next_look = 1
-            self._why_not_rebalance = (f"the slowdown has lasted {lasted_ns / 1e9:.1f} s, under "
-                                       f"{self.min_lasted_ns / 1e9:.1f} s: a blip so far")
-            return None
-        if self.slow and self.loss_ms < cost_ms:
-            self.pending = True        # the loss grows each iteration: look again
-            self._next_look = 1
-            self._why_not_rebalance = (f"loss so far {self.loss_ms:.0f} ms is under the cost of a "
-                                       f"rebalance ({cost_ms:.0f} ms): waiting")
-            return None
-        self.straggler = slowest
-        reason = (f"dp rank {slowest} takes {t[slowest]:.2f} ms per micro-batch against a median "
-                  f"of {statistics.median(times):.2f}: rebalance")
-        return self._plan(dict(zip(order, best.counts)), now_pred, best.makespan,
-                          reason, cost_ms=cost_ms)
-
-    def _plan(self, counts, now_pred, new_pred, reason, cost_ms=None) -> Decision:
+            return [] if e.changes else self._none(
+                f"the best split gains {gain:.0%}, under {need:.0%}")
+        counts = dict(zip(order, best.counts))
+        if self.advised == counts and self.planned is None and self.split != counts:
+            return []                        # advised already (advise only): not again
+        if e.changes and not new_straggler:
+            e.refined = True
         job_ms = self.recent_job_ms() or now_pred
-        # The solver predicts compute time; the iteration keeps its other parts.
-        expected = max(0.0, job_ms - (now_pred - new_pred))
+        expected = max(0.0, job_ms - (now_pred - best.makespan))
+        what = "refine" if e.changes else "rebalance"
+        reason = (f"dp rank {s} takes {t[s]:.2f} ms per micro-batch against a median of "
+                  f"{others:.2f}: {what}" + (f" ({e.evidence} verdict)" if e.evidence else ""))
+        e.changes += 1
+        e.plan_ms, e.planned_for = expected, s
+        e.recheck_at_ns = self._now_ns + int(RECHECK_AFTER_S * 1e9)
+        return [self._plan(counts, reason, expected=expected, cost_ms=cost_ms,
+                           predicted_compute_ms=best.makespan, compute_now_ms=now_pred)]
+
+    def _plan(self, counts: dict[int, int], reason: str, expected: float | None = None,
+              even: bool = False, **numbers) -> Decision:
         self.planned = dict(counts)
         self.planned_ns = self._now_ns
         self.unapplied_said = False
-        self.last_plan = dict(counts)
-        self.said_none = True          # this slowdown has its answer
-        return Decision("rebalance_microbatches", reason, expected,
-                        {"microbatches": dict(counts)},
-                        self._numbers(cost_ms=cost_ms, solve_ms=None,
-                                      predicted_compute_ms=new_pred,
-                                      compute_now_ms=now_pred))
+        if expected is None:
+            expected = self.recent_job_ms()
+        return Decision("rebalance_microbatches", reason, expected, {"microbatches": dict(counts)},
+                        self._numbers(solve_ms=None, **numbers))
+
+    def _trial_step(self) -> list[Decision]:
+        """A trial return to the even split (validation off): judged after a
+        window of iterations at the even split."""
+        e = self.episode
+        trial = e.trial
+        if self.since_plan < self.window:
+            return []
+        e.trial = None
+        got = statistics.median(self.job_history)
+        if e.healthy_ms and got <= e.healthy_ms * (1 + RECOVERED):
+            self.episode = None
+            return []                        # the fault is gone: the even split stays
+        e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
+        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "
+                           f"iteration (healthy {e.healthy_ms:.1f}): the fault lasts, the plan "
+                           "returns", trial["expected_ms"])]
+
+    def trial_due(self, now_ns: int) -> list[Decision]:
+        """With validation off: a trial return to the even split when due."""
+        e = self.episode
+        if (e is None or self.validate or self.planned is not None or e.trial is not None
+                or self.straggler is None or e.recheck_at_ns is None
+                or now_ns < e.recheck_at_ns):
+            return []
+        e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms}
+        return [self._plan(self._even(), "trial: is the fault gone? the even split for "
+                           f"{self.window} iterations")]
 
     def _restart(self) -> Decision | None:
         """S3/S4, when the trainer can checkpoint and the loss pays for a restart."""
-        if not self.allow_restart or not self.slow or self.restart_considered:
+        e = self.episode
+        if not self.allow_restart or e is None or e.restart_considered or e.healthy_ms is None:
             return None
-        if not any(d.get("checkpoint") for d in self.announced.values()):
-            return None
-        if self.healthy_ms is None:
-            return None
-        cost_s, how = self.restart_cost()
-        stages = {d.get("stage") for d in self.announced.values()} - {None}
-        layer_split = next((d.get("layer_split") for d in self.announced.values()
-                            if d.get("layer_split")), None)
-        job_ms = self.job_ms()
-        if job_ms is None:
-            return None
-        if layer_split and len(stages) == len(layer_split) > 1:
-            # Pipeline: a stage is as slow as its slowest replica.
-            stage_ms = []
-            for s in range(len(layer_split)):
-                ms = [statistics.median(r.compute_ms) for rank, r in self.ranks.items()
-                      if r.compute_ms and self.announced.get(rank, {}).get("stage") == s]
-                if not ms:
-                    return None
-                stage_ms.append(max(ms))
-            rs = resplit(stage_ms, layer_split)
-            best_now = max(stage_ms)
-            saved = best_now - rs.makespan
-            strategy, plan = "reconfigure_pipeline", {"layer_split": list(rs.split),
-                                                     "restart": {"checkpoint": True}}
-            what = f"re-split layers {list(layer_split)} -> {list(rs.split)}"
-        else:
-            split = self._current_split()
-            t = self._per_microbatch(split) if split else None
-            if t is None or len(t) < 2:
-                return None
-            order = sorted(split)
-            total = sum(split.values())
-            times = [t[k] for k in order]
-            med = statistics.median(times)
-            best_now = greedy_makespan(times, total)
-            # Exclude ranks slower than 2x the median when the others carry
-            # the global batch faster than the best split with them.
-            keep = [i for i, x in enumerate(times) if x <= 2 * med]
-            if len(keep) == len(times) or not keep or total < len(keep):
-                return None
-            kept = [times[i] for i in keep]
-            without = greedy_makespan(kept, total)
-            saved = best_now - without
-            excluded = [order[i] for i in range(len(order)) if i not in keep]
-            strategy, plan = "checkpoint_restart", {"restart": {"checkpoint": True,
-                                                                "exclude": excluded}}
-            what = f"restart without dp rank(s) {excluded}"
-        if saved <= self.min_gain * best_now:
-            return None
-        # Rent until the loss the restart would have avoided pays for it.
-        avoidable_ms = self.loss_ms * min(1.0, saved / max(job_ms - (self.healthy_ms or 0), 1e-9))
-        if avoidable_ms < cost_s * 1e3:
-            return None
-        self.restart_considered = True
-        return Decision(strategy, f"{what}: {avoidable_ms / 1e3:.1f} s lost reached the "
-                                  f"{how} restart cost of {cost_s:.1f} s",
-                        max(0.0, job_ms - saved), plan,
-                        self._numbers(cost_ms=cost_s * 1e3, cost=how, saved_ms=saved))
+        d = restart_decision(self.announced, self.ranks, self._speeds(), self._current_split(),
+                             self.job_ms(), e.healthy_ms, e.loss_ms, self.restart_cost(),
+                             self.min_gain)
+        if d is not None:
+            e.restart_considered = True
+            d.numbers = {**self._numbers(), **d.numbers}
+        return d

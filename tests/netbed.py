@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import kill_tree, trainer_command
 
 
 def ip(*args: str, check: bool = True) -> None:
@@ -43,23 +43,23 @@ class NetBed:
             ip("-n", self.ns(i), "link", "set", "lo", "up")
         return self
 
-    def start_ranks(self, truth: Path, *train_args: str, port: int = 29711) -> list[int]:
-        """scripts/demo_train.py, one rank per namespace (no launcher)."""
+    def start_ranks(self, truth: Path, *train_args: str, port: int = 29711,
+                    trainer: str = "demo") -> list[int]:
+        """A trainer (harness.TRAINERS), one rank per namespace (no launcher)."""
         for i in range(self.n):
             env = dict(os.environ, RANK=str(i), WORLD_SIZE=str(self.n), LOCAL_RANK=str(i),
                        MASTER_ADDR="10.77.0.1", MASTER_PORT=str(port),
                        GLOO_SOCKET_IFNAME="ghnet", OMP_NUM_THREADS="1")
             self.procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", self.ns(i), sys.executable,
-                 str(ROOT / "scripts" / "demo_train.py"), "--truth", str(truth), *train_args],
+                 *trainer_command(trainer, truth, *train_args)],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
         return [p.pid for p in self.procs]   # `ip netns exec` execs the program: same pid
 
     def down(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
+            kill_tree(p)                     # and its DataLoader workers
             p.wait()
         for i in range(self.n):
             ip("netns", "del", self.ns(i), check=False)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import nccl_lib, wait_for
+from conftest import kill_tree, nccl_lib, wait_for
 from greyhound_bpf.probe.catalog import load_catalog
 from greyhound_bpf.probe.discovery import (Discovery, all_stats, descendants, mapped_libraries,
                                      rank_identity, read_stat)
@@ -110,3 +110,41 @@ def test_discovery_finds_new_and_exited_targets(procs):
     p.wait()
     new, exited, _ = d.scan()
     assert new == [] and [t.pid for t in exited] == [p.pid]
+
+
+FORKING = textwrap.dedent("""
+    import ctypes, os, sys, time
+    ctypes.CDLL(sys.argv[1])
+    kids = [os.fork() for _ in range(2)]      # like DataLoader workers: same env, same maps
+    if 0 in kids:
+        time.sleep(60)
+        os._exit(0)
+    print(" ".join(map(str, kids)), flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_ranks_forked_workers_are_its_subprocesses_not_ranks(procs):
+    p = subprocess.Popen([sys.executable, "-c", FORKING, nccl_lib()], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, RANK="3", WORLD_SIZE="4"))
+    try:
+        _forked_workers(p, procs)
+    finally:
+        kill_tree(p)               # the workers too
+
+
+def _forked_workers(p, procs):
+    kids = {int(k) for k in p.stdout.readline().split()}
+    assert len(kids) == 2
+    d = Discovery([p.pid], CAT)
+    new, _, _ = d.scan()
+    assert [(t.pid, t.rank) for t in new] == [(p.pid, 3)]
+    assert set(d.subprocesses) >= kids and set(d.subprocesses.values()) == {p.pid}
+    assert {pid for pid, _ in d.new_subprocesses} == set(d.subprocesses)
+    # A PID the user names is never a subprocess, whatever its parent maps
+    # (this test process has libnccl loaded too, and no RANK either).
+    ctypes.CDLL(nccl_lib())
+    q = spawn(lib=nccl_lib())
+    procs.append(q)
+    new, _, _ = Discovery([q.pid], CAT).scan()
+    assert [t.pid for t in new] == [q.pid]

@@ -10,6 +10,8 @@ answers with requests (`validation` events) that the validator serves.
   whole job, a whole communicator) is validated only once it has lasted
   UNIFORM_PERSIST_S: a busy host's episodes pass in seconds, and a slow link
   (which looks like that) lasts.
+- A slowdown whose fault validation has already named is not validated
+  again on a further verdict of it that names nothing.
 - After a validation that names nothing, the next one waits BACKOFF_S,
   doubling up to BACKOFF_MAX_S; a verdict that names a rank is validated at
   once (the budget still applies), and one that names something resets it.
@@ -65,8 +67,10 @@ class ValidationPlanner:
     backoff_s: float = 0.0
     not_before_ns: int = 0
     slow_since_ns: int | None = None             # onset of the job slowdown in progress
+    named_at_ns: int | None = None               # when validation last named a cause
     _next_id: int = 1
-    _last_pause_s: float = EXPECTED_PAUSE_S
+    _last_pause_s: float = EXPECTED_PAUSE_S      # all the pauses of the last validation
+    _pausing_s: float = 0.0                      # the one in flight's, so far
 
     # -- inputs -------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class ValidationPlanner:
         self.pauses.append((start_ns, end_ns))
         s = max(0, end_ns - start_ns) / 1e9
         self.paused_total_s += s
-        self._last_pause_s = max(s, 0.5)
+        self._pausing_s += s
         horizon = end_ns - int(2 * self.window_s * 1e9)
         self.pauses = [p for p in self.pauses if p[1] >= horizon]
 
@@ -95,6 +99,9 @@ class ValidationPlanner:
             return []
         if self.slow_since_ns is None and not v.named:
             return []             # the slowdown is over and nothing was named
+        if (not v.named and self.named_at_ns is not None and self.slow_since_ns is not None
+                and self.named_at_ns >= self.slow_since_ns):
+            return []             # validation has named this slowdown's cause already
         self.pending = _Pending(v, now_ns)
         return self.tick(now_ns)
 
@@ -133,16 +140,39 @@ class ValidationPlanner:
                       ranks=v.ranks)
         self._next_id += 1
         self.in_flight = req
+        self._pausing_s = 0.0
         self.validations += 1
         return [{"phase": "request", "id": req.id, "index": req.index, "reason": req.reason,
                  "purpose": req.purpose}]
 
+    def recheck(self, rank: int, now_ns: int) -> list[dict]:
+        """Is a named fault still there? (the policy asks, for the rank whose
+        plan is in force): its device and a witness's, no links, a short
+        pause; within the budget, or not at all (the policy asks again)."""
+        if not self.enabled or self.in_flight is not None:
+            return []
+        used = self.paused_in_window(now_ns)
+        if used + min(self._last_pause_s, EXPECTED_PAUSE_S) > self.budget * self.window_s:
+            return [{"phase": "deferred", "index": None, "purpose": "recheck",
+                     "reason": f"recheck of rank {rank}: pause budget used ({used:.1f} s in "
+                               f"the last {self.window_s / 60:.0f} min)"}]
+        req = Request(self._next_id, None, f"is rank {rank}'s fault gone?", "recheck", (rank,))
+        self._next_id += 1
+        self.in_flight = req
+        self.validations += 1
+        self._pausing_s = 0.0
+        return [{"phase": "request", "id": req.id, "index": None, "reason": req.reason,
+                 "purpose": "recheck", "devices": [rank]}]
+
     def done(self, request_id: int, verdict: Diagnosis, now_ns: int) -> None:
-        """The validator answered."""
-        if self.in_flight is not None and self.in_flight.id == request_id:
-            self.in_flight = None
+        """The validator answered. (One validation runs at a time, so any
+        answer ends the one in flight: a replay under changed rules feeds the
+        recorded answers, whose ids may not be the requests it made.)"""
+        self.in_flight = None
+        self._last_pause_s = max(self._pausing_s, 0.5)
         if verdict.named:
             self.backoff_s, self.not_before_ns = 0.0, 0
+            self.named_at_ns = now_ns
         else:
             self.backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_S, 2 * self.backoff_s))
             self.not_before_ns = now_ns + int(self.backoff_s * 1e9)

@@ -31,19 +31,14 @@ the host plumbing (pause, lock, cgroups) in greyhound_bpf.diagnosis.host.
 """
 from __future__ import annotations
 
-import json
-import os
-import select
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from .. import GreyhoundError
-from ..probe.discovery import read_stat, threads_of
-from .host import (PASS_ENV, PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport,
-                   cgroups_of, gpu_count, member_of)
+from ..probe.discovery import read_stat
+from .host import (PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, gpu_count,
+                   member_of)
+from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
 
 P2P_BYTES = 4 << 20
@@ -55,153 +50,12 @@ P2P_SECONDS = 0.2            # per edge
 # a healthy rank's GEMM read x1.7 twice, 2 s apart); a slow device or link is
 # slow each time.
 CONFIRM_AFTER_S = 3.0
+# ...unless it measured this slow twice in the first pause: a busy moment
+# of a healthy host read at most x1.7; a CPU quota at half reads x5-6.
+CONFIRM_SKIP_RATIO = 3.0
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
 STEP_TIMEOUT_S = 15.0        # one benchmark command
 
-
-# -- workers ------------------------------------------------------------------------
-
-class WorkerError(Exception):
-    pass
-
-
-WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
-
-
-def check_python(python: str) -> None:
-    """Workers need PyTorch in `python` (they import nothing of ours: a
-    job's own interpreter works)."""
-    r = subprocess.run([python, "-c", "import torch.distributed"], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        raise GreyhoundError(
-            f"validation needs PyTorch in {python} ({(r.stderr.strip().splitlines() or ['?'])[-1]}):"
-            " pip install torch there, or point --python at the job's interpreter")
-
-
-class _Worker:
-    def __init__(self, m: Member, world: int, timeout_s: float, python: str = sys.executable):
-        self.m = m
-        self.err = tempfile.TemporaryFile(mode="w+")
-        env = dict(os.environ)
-        for k in PASS_ENV:
-            env.pop(k, None)
-        env.update(m.env, GH_VAL_RANK=str(m.rank), GH_VAL_WORLD=str(world),
-                   GH_VAL_DEVICE=m.device, GH_VAL_TIMEOUT_S=str(timeout_s),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # SCHED_IDLE while starting: importing torch would otherwise take CPU
-        # from the running job (and, on a busy host, slow it down: a slowdown
-        # of our own making). place() makes it a normal task to measure,
-        # while the job is paused.
-        cmd = ["chrt", "--idle", "0", python, WORKER_SCRIPT]
-        if m.netns:
-            cmd = ["nsenter", f"--net={m.netns}", "--", *cmd]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, env=env, start_new_session=True)
-        self.buf = b""
-        if m.affinity:
-            try:
-                os.sched_setaffinity(self.proc.pid, m.affinity)
-            except OSError:
-                pass
-
-    def place(self) -> None:
-        """Into the rank's cgroups and CPU affinity, just before measuring:
-        where the rank is *now* is what counts (a quota may have come since
-        the worker started). Not earlier: in a throttled rank's group the
-        worker's start-up would share the quota with the busy rank and take
-        minutes. Writing cgroup.procs moves every thread of the worker."""
-        for tid in threads_of(self.proc.pid):
-            try:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except OSError:
-                pass
-        if self.m.pid is not None:
-            self.m.cgroups = cgroups_of(self.m.pid) or self.m.cgroups
-            try:
-                self.m.affinity = os.sched_getaffinity(self.m.pid)
-            except OSError:
-                pass
-        for f in self.m.cgroups:
-            try:
-                f.write_text(str(self.proc.pid))
-            except OSError:
-                pass
-        if self.m.affinity:
-            try:
-                os.sched_setaffinity(self.proc.pid, self.m.affinity)
-            except OSError:
-                pass
-
-    def idle(self) -> None:
-        """Between measurements: out of the rank's groups, and SCHED_IDLE."""
-        self.unplace()
-        for tid in threads_of(self.proc.pid):
-            try:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            except OSError:
-                pass
-
-    def unplace(self) -> None:
-        """Back into our own cgroups: links are measured in the rank's network
-        namespace but not under its CPU quota, which is a compute fault (on a
-        CPU testbed the TCP stack would measure the quota, not the link)."""
-        for f in cgroups_of(os.getpid()):
-            try:
-                f.write_text(str(self.proc.pid))
-            except OSError:
-                pass
-
-    def send(self, doc: dict) -> None:
-        try:
-            self.proc.stdin.write((json.dumps(doc) + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise WorkerError(self.why_dead()) from None
-
-    def why_dead(self) -> str:
-        self.err.seek(0)
-        tail = [ln for ln in self.err.read().splitlines() if ln.strip()]
-        rc = self.proc.poll()
-        return (f"worker exited ({rc})" if rc is not None else "worker stopped answering") + (
-            f": {tail[-1][:200]}" if tail else "")
-
-    def read(self, deadline: float, expect: tuple[str, ...] = ()) -> dict:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WorkerError(f"no answer in time (rank {self.m.rank})")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    raise WorkerError(self.why_dead())
-                self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            raise WorkerError(f"unreadable answer: {line[:100]!r}") from None
-        if "error" in doc:
-            raise WorkerError(doc["error"])
-        missing = [k for k in expect if k not in doc]
-        if missing:
-            raise WorkerError(f"answer without {', '.join(missing)}: {line[:100]!r}")
-        return doc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                self.proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.err.close()
 
 class Validator:
     def __init__(self, members: list[Member], edges: list[tuple[int, int]] | None = None,
@@ -224,7 +78,7 @@ class Validator:
         # reported with its span to whoever analyses the job.
         self.report = report
         self.python = python
-        self.workers: dict[int, _Worker] = {}
+        self.workers: dict[int, Worker] = {}
         self.ready: list[int] = []
         self.cancelled = False
         self.broken = False
@@ -273,7 +127,8 @@ class Validator:
         return bool(self.ready) and not self.broken and all(
             w.proc.poll() is None for w in self.workers.values())
 
-    def measure(self, edges: list[tuple[int, int]] | None = None) -> Result:
+    def measure(self, edges: list[tuple[int, int]] | None = None,
+                devices: list[int] | None = None) -> Result:
         """Pause the job, GEMM per device, p2p per edge, resume. Workers
         stay up for the next call unless a step failed (then `broken`)."""
         res = Result(measured_at_ns=self.report.clock() if self.report else time.time_ns())
@@ -295,10 +150,12 @@ class Validator:
                 pids = [m.pid for m in self.members if m.pid] if self.pause else []
                 pause = Pause(pids, self.pause_max_s, self.report)
                 with pause:
-                    self._gemms(ready, res)
-                    if len(ready) == len(self.members):
+                    self._gemms([r for r in ready if devices is None or r in devices], res)
+                    if not self.edges:
+                        pass                     # devices only (a recheck)
+                    elif len(ready) == len(self.members):
                         self._p2p(res)
-                    elif self.edges:
+                    else:
                         res.untested.append("links: not every worker started")
                 res.paused_s, res.pauses = pause.seconds, 1
                 self._confirm(ready, pids, res)
@@ -328,7 +185,7 @@ class Validator:
                 res.untested.append(f"rank {m.rank}: exited")
                 continue
             try:
-                self.workers[m.rank] = _Worker(
+                self.workers[m.rank] = Worker(
                     Member(self.index[m.rank], m.pid, m.device, m.netns, m.cgroups,
                            m.affinity, m.env), n, STEP_TIMEOUT_S, self.python)
             except OSError as e:
@@ -424,7 +281,13 @@ class Validator:
     def _confirm(self, ready: list[int], pids: list[int], res: Result) -> None:
         """Suspects left after the first pause, measured once more after the
         job has run CONFIRM_AFTER_S (in a second, short pause)."""
-        devices = self._slow_devices(res)
+        got = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
+        slow = outliers(got)[2] if len(got) >= 2 else {}
+        # Measured twice in this pause next to the fastest device, and far
+        # beyond what a busy moment does: no need to wait and see.
+        sure = {r for r, x in slow.items()
+                if x >= CONFIRM_SKIP_RATIO and res.devices[r].get("passes", 1) >= 2}
+        devices = [r for r in self._slow_devices(res) if r not in sure]
         links = sorted(link_suspects({e: d["rtt_ms"] for e, d in res.links.items()}))
         if (not devices and not links) or self.cancelled or self.broken:
             return
@@ -570,10 +433,10 @@ class Service:
         self.thread.start()
 
     def request(self, request_id: int, members: list[Member],
-                edges: list[tuple[int, int]]) -> None:
-        """Measure these ranks' devices and these edges (workers started
-        first, if need be); the result is posted."""
-        self.tasks.put(("measure", (request_id, members, edges)))
+                edges: list[tuple[int, int]], devices: list[int] | None = None) -> None:
+        """Measure these ranks' devices (all, or `devices`) and these edges
+        (workers started first, if need be); the result is posted."""
+        self.tasks.put(("measure", (request_id, members, edges, devices)))
 
     def close(self) -> None:
         self.closing = True
@@ -599,7 +462,7 @@ class Service:
                 self.post("result", (request_id, res))
 
     def _measure(self, request_id: int, members: list[Member],
-                 edges: list[tuple[int, int]]) -> Result:
+                 edges: list[tuple[int, int]], devices: list[int] | None = None) -> Result:
         key = tuple(sorted((m.rank, m.pid) for m in members))
         pool = self.pool
         if pool is None or key != self.key or pool.broken or not pool.alive():
@@ -615,6 +478,6 @@ class Service:
             self.post("progress", f"{len(pool.ready)} validation workers ready")
         else:
             untested = []
-        res = pool.measure(edges)
+        res = pool.measure(edges, devices)
         res.untested = untested + res.untested
         return res

@@ -57,8 +57,11 @@ class SlowdownDetector:
       estimated below 10% half of the time; requiring the point estimate
       to pass would miss it that often).
 
-    A slower new level is a ``slowdown``, a faster one a ``recovery``; a
-    speed-up is never a slowdown.
+    A slower new level is a ``slowdown``, a faster one while slow a
+    ``recovery``; a speed-up is never a slowdown. A faster level while
+    nothing is slow is no event: it becomes the reference, and for `history`
+    iterations a slower level after it is a slowdown only if it is also
+    slower than the level before the speed-up.
 
     A slow level may be too short and too noisy for the faster one after it
     to pass these tests against it (20 iterations at x1.2 with 20% noise
@@ -102,6 +105,8 @@ class SlowdownDetector:
         self._base = 0                  # iteration index of _logs[0]
         self._bocd: BOCD | None = None
         self._accepted_start = 0        # start of the segment the detector believes in
+        # (log level, until) before a faster level taken while healthy
+        self._before_fast: tuple[float, int] | None = None
         self._healthy = None            # log level before the first slowdown, while slow
         self._diff_scale = 0.0          # noise scale from recent first differences
         self._diff_scale_at = -1
@@ -145,7 +150,13 @@ class SlowdownDetector:
                 self._healthy = math.log(cp.before_ms)
             self._accepted_start = cp.index
             self.state = "slow" if cp.kind == "slowdown" else "ok"
+            self._before_fast = None
             if self.state == "ok":
+                if self._healthy is not None and math.log(cp.after_ms) < self._healthy:
+                    # Back, and faster than before the slowdown: as for a
+                    # speed-up while healthy, the usual speed after this is
+                    # no new slowdown.
+                    self._before_fast = (self._healthy, cp.index + self.history)
                 self._healthy = None
         return cp
 
@@ -196,6 +207,25 @@ class SlowdownDetector:
             step = float(np.median(new)) - float(np.median(brief))
             if step * code < max(2 * math.log1p(self.threshold), 0.5 * abs(m_new - m_old)):
                 return None
+        if self.state != "slow" and self._before_fast is not None \
+                and start >= self._before_fast[1]:
+            self._before_fast = None             # the faster level has lasted
+        if code < 0 and self.state != "slow":
+            # Faster while nothing is slow: no recovery, but the reference
+            # from now on (a job faster once warmed up must be compared with
+            # its faster self). The level before it is remembered for a while.
+            if self._before_fast is None:
+                self._before_fast = (m_old, start + self.history)
+            self._accepted_start = start
+            return None
+        if code > 0 and self.state != "slow" and self._before_fast is not None \
+                and m_new < self._before_fast[0] + math.log1p(self.threshold):
+            # ...because a busy host's job also runs fast for a moment (a
+            # neighbour paused): its usual speed after that is no slowdown
+            # (a healthy 4-rank job: 0.4 s at x0.7, then "x1.5 slower",
+            # its own log as steady as before).
+            self._accepted_start, self._before_fast = start, None
+            return None
         kind = "slowdown" if code > 0 else "recovery"
         return ChangePoint(kind, self.scope, start, t, math.exp(m_old), math.exp(m_new),
                            math.exp(m_new - m_old), prob)

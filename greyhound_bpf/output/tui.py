@@ -70,6 +70,8 @@ class TuiState:
     _n: int = 0                                 # job iterations seen so far
     _lowest: int | None = None
     _last: dict = field(default_factory=dict)   # rank -> last iteration ms
+    _rates: dict = field(default_factory=dict)  # pid -> (time, calls) at the last view
+    _calls_total: tuple = (0.0, 0)
 
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
@@ -102,6 +104,40 @@ class TuiState:
     def marks_in_history(self) -> tuple[tuple[int, str], ...]:
         first = self._n - len(self.history)
         return tuple((i - first, k) for i, k in self.marks if i >= first)
+
+    def snapshot(self, *, job: str, elapsed_s: float, stats, view, straggler, exited,
+                 probes: int, lost: int, mode: str, width: int) -> "Snapshot":
+        """The view's plain data now: per-rank rows from the call statistics
+        (output.summary.CallStats) and the analysis's `view(pid)`, call
+        rates over the last second or so."""
+        now = time.monotonic()
+        rows = []
+        total = 0
+        for rs in stats._sorted():
+            calls = sum(f.count for f in rs.fns.values())
+            total += calls
+            t_prev, c_prev = self._rates.get(rs.pid, (now, calls))
+            rate = (calls - c_prev) / (now - t_prev) if now > t_prev else 0.0
+            if now - t_prev >= 1.0 or rs.pid not in self._rates:
+                self._rates[rs.pid] = (now, calls)
+            v = view(rs.pid)
+            state = v["state"]
+            if rs.pid in exited:
+                state = "exited"
+            elif rs.rank is not None and rs.rank == straggler:
+                state = "straggler"
+            elif rs.rank in self.stragglers and state == "ok":
+                state = "slow"
+            rows.append(RankRow(rs.rank, rs.pid, rs.comm, v["iter_ms"], v["comm_frac"],
+                                max(rate, 0.0), state))
+        t_prev, c_prev = self._calls_total
+        ev_rate = (total - c_prev) / (now - t_prev) if t_prev and now > t_prev else 0.0
+        if not t_prev or now - t_prev >= 1.0:
+            self._calls_total = (now, total)
+        return Snapshot(job=job, elapsed_s=elapsed_s, probes=probes,
+                        events_per_s=max(ev_rate, 0.0), lost=lost, ranks=tuple(rows),
+                        history=tuple(self.history), marks=self.marks_in_history(),
+                        log=tuple(self.log), mode=mode, width=width)
 
 
 # -- rendering (pure) ------------------------------------------------------------

@@ -179,10 +179,17 @@ def is_launcher(pid: int) -> bool:
 class Discovery:
     """Tracks the probed processes under a set of root PIDs.
 
-    ``scan()`` returns (new targets, exited targets). A process is a target
-    when it maps at least one probed library and is not a launcher; a
-    launcher that maps a library (torchrun imports torch) still counts for
-    ``libraries_seen``, so attaching to it waits for its ranks.
+    ``scan()`` returns (new targets, exited targets, grown targets). A
+    process is a target when it maps at least one probed library and is not
+    a launcher; a launcher that maps a library (torchrun imports torch)
+    still counts for ``libraries_seen``, so attaching to it waits for its
+    ranks. Only ranks are ranks: a descendant of a process with the same
+    rank identity (its RANK and WORLD_SIZE, or both absent) is that rank's
+    subprocess (a DataLoader worker, a torch.compile worker, a helper it
+    forked: they inherit the environment and the mapped libraries). It is
+    listed in ``subprocesses`` (pid -> the rank's pid), not probed: its
+    calls would interleave with the rank's, and such workers come and go
+    with every epoch.
     """
 
     # Every how many scans a known target's maps are read again for a library
@@ -198,6 +205,8 @@ class Discovery:
         self.tree: list[int] = []
         self._scans = 0
         self._launchers: dict[int, int] = {}    # pid -> start time: seen, never a rank
+        self.subprocesses: dict[int, int] = {}  # pid -> pid of the rank it belongs to
+        self.new_subprocesses: list[tuple[int, int]] = []   # found by the last scan
 
     def roots_alive(self) -> bool:
         return any(pid_alive(p) for p in self.roots)
@@ -211,13 +220,18 @@ class Discovery:
                   if pid not in stats or stats[pid].start_time != t.start_time]
         for t in exited:
             del self.targets[t.pid]
+        self.subprocesses = {p: r for p, r in self.subprocesses.items() if p in stats}
+        self.new_subprocesses = []
         new, grown = [], []
+        identity: dict[int, tuple] = {}
         self._scans += 1
         recheck = self._scans % self.RECHECK_EVERY == 0
         for pid in self.tree:
             if pid == os.getpid():
                 continue
             if self._launchers.get(pid) == stats[pid].start_time:
+                continue
+            if pid in self.subprocesses:
                 continue
             if pid in self.targets:
                 if not recheck:
@@ -236,8 +250,35 @@ class Discovery:
                 self._launchers[pid] = stats[pid].start_time
                 continue
             rank, local_rank, world = rank_identity(pid)
+            owner = self._rank_above(pid, (rank, world), stats, identity)
+            if owner is not None:
+                self.subprocesses[pid] = owner
+                self.new_subprocesses.append((pid, owner))
+                continue
             st = stats[pid]
             t = Target(pid, st.start_time, st.comm, rank, local_rank, world, libs)
             self.targets[pid] = t
             new.append(t)
         return new, exited, grown
+
+    def _rank_above(self, pid: int, ident: tuple, stats: dict, cache: dict) -> int | None:
+        """The topmost ancestor under the roots (a root included) that maps a
+        probed library and has the same rank identity, if any: `pid` is its
+        subprocess. A PID the user named is never a subprocess."""
+        if pid in self.roots:
+            return None
+        tree = set(self.tree)
+        found, p = None, stats[pid].ppid
+        seen = 0
+        while p in stats and p in tree and seen < 64:
+            seen += 1
+            if p not in cache:
+                cache[p] = (rank_identity(p)[::2] if not is_launcher(p)
+                            and (p in self.targets or mapped_libraries(p, self.catalog))
+                            else None)
+            if cache[p] == ident:
+                found = p
+            if p in self.roots:
+                break
+            p = stats[p].ppid
+        return self.subprocesses.get(found, found) if found is not None else None

@@ -1,0 +1,85 @@
+"""S3 and S4 in the ski-rental sum: a pipeline re-split or a
+checkpoint-restart without the slowest ranks, when the trainer can
+checkpoint and the loss a restart would have avoided pays for the
+restart's (observed, or estimated) cost. Pure: the policy calls it."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from .rebalance import greedy_makespan
+from .resplit import resplit
+
+
+@dataclass
+class Decision:
+    strategy: str                 # none / rebalance_microbatches / reconfigure_pipeline / checkpoint_restart
+    reason: str
+    expected_ms: float | None = None
+    plan: dict = field(default_factory=dict)      # ControlWriter.issue keyword arguments
+    numbers: dict = field(default_factory=dict)   # the figures behind the decision
+
+    def fields(self) -> dict:
+        return {"strategy": self.strategy, "reason": self.reason,
+                "expected_ms": None if self.expected_ms is None else round(self.expected_ms, 3),
+                "plan": {k: ({str(r): n for r, n in v.items()} if isinstance(v, dict) and
+                             k == "microbatches" else v) for k, v in self.plan.items()},
+                **{k: (round(v, 3) if isinstance(v, float) else v)
+                   for k, v in self.numbers.items()}}
+
+
+def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: dict | None,
+                     job_ms: float | None, healthy_ms: float, loss_ms: float,
+                     cost: tuple[float, str], min_gain: float) -> Decision | None:
+    """`ranks`: rank -> samples with `.compute_ms`; `speeds`: dp rank ->
+    compute per micro-batch; `cost`: (seconds, "observed" or "estimated")."""
+    if not any(d.get("checkpoint") for d in announced.values()) or job_ms is None:
+        return None
+    cost_s, how = cost
+    stages = {d.get("stage") for d in announced.values()} - {None}
+    layer_split = next((d.get("layer_split") for d in announced.values()
+                        if d.get("layer_split")), None)
+    if layer_split and len(stages) == len(layer_split) > 1:
+        # Pipeline: a stage is as slow as its slowest replica.
+        stage_ms = []
+        for st in range(len(layer_split)):
+            ms = [statistics.median(r.compute_ms) for rank, r in ranks.items()
+                  if r.compute_ms and announced.get(rank, {}).get("stage") == st]
+            if not ms:
+                return None
+            stage_ms.append(max(ms))
+        rs = resplit(stage_ms, layer_split)
+        best_now = max(stage_ms)
+        saved = best_now - rs.makespan
+        strategy, plan = "reconfigure_pipeline", {"layer_split": list(rs.split),
+                                                 "restart": {"checkpoint": True}}
+        what = f"re-split layers {list(layer_split)} -> {list(rs.split)}"
+    else:
+        if speeds is None or split is None or len(speeds) < 2:
+            return None
+        order = sorted(split)
+        total = sum(split.values())
+        times = [speeds[k] for k in order]
+        med = statistics.median(times)
+        best_now = greedy_makespan(times, total)
+        # Leave out ranks slower than 2x the median when the others carry
+        # the global batch faster than the best split with them.
+        keep = [i for i, x in enumerate(times) if x <= 2 * med]
+        if len(keep) == len(times) or not keep or total < len(keep):
+            return None
+        without = greedy_makespan([times[i] for i in keep], total)
+        saved = best_now - without
+        excluded = [order[i] for i in range(len(order)) if i not in keep]
+        strategy, plan = "checkpoint_restart", {"restart": {"checkpoint": True,
+                                                            "exclude": excluded}}
+        what = f"restart without dp rank(s) {excluded}"
+    if saved <= min_gain * best_now:
+        return None
+    # Rent until the loss the restart would have avoided pays for it.
+    avoidable_ms = loss_ms * min(1.0, saved / max(job_ms - healthy_ms, 1e-9))
+    if avoidable_ms < cost_s * 1e3:
+        return None
+    return Decision(strategy, f"{what}: {avoidable_ms / 1e3:.1f} s lost reached the "
+                              f"{how} restart cost of {cost_s:.1f} s",
+                    max(0.0, job_ms - saved), plan,
+                    {"cost_ms": cost_s * 1e3, "cost": how, "saved_ms": saved})

@@ -1,0 +1,154 @@
+"""The scenario corpus (tests/scenarios): load a recorded scenario and its
+truth, replay it through JobAnalysis, and score what the analysis said
+against what was done. Shared by tests/test_scenarios.py (which pins the
+verdicts) and scripts/bench_scenarios (which prints the table).
+
+Scoring, per scenario:
+- a named diagnosis (cause not `unknown`) is *right* when it names the fault
+  that was in force (or ended at most GRACE_S before it): for a compute
+  fault `computation` and that rank; for a link fault `communication`, and
+  from validation also the rank's link (`rank R`: passive evidence cannot
+  name a link inside a ring all-reduce). Anything else named is *wrong*,
+  including any named verdict while no fault was in force;
+- detection: per fault, the delay from its start (or from the attach, for
+  one that began before it) to the first job `slowdown`, to the first right
+  passive verdict, and to the first right validated one;
+- false alarms: job slowdowns that begin outside every fault, and whether
+  the job's own log shows the job slower then (the host disturbed it:
+  `confirmed`) or not (`unconfirmed`);
+- plans: every advised or written action other than `none`, in a fault or
+  not, with its predicted gain; validations and the time they paused the job.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+# A verdict may come this long after its fault ended (validation confirms
+# after the job has run 3 s; a verdict waits for the evidence to end).
+GRACE_S = 10.0
+# A job slowdown is confirmed by the job's own log when its iterations over
+# the new level are this much slower than over the level before (half the
+# detector's threshold: the log's windows are the detector's, give or take).
+CONFIRM_RATIO = 1.05
+
+
+def names(split: str | None = None) -> list[str]:
+    out = []
+    for p in sorted(SCENARIOS.glob("*.truth.json")):
+        t = json.loads(p.read_text())
+        if split is None or t["split"] == split:
+            out.append(t["name"])
+    return out
+
+
+def truth(name: str) -> dict:
+    return json.loads((SCENARIOS / f"{name}.truth.json").read_text())
+
+
+def expectations(name: str) -> list[dict]:
+    """Per fault of the scenario, what its verdicts must be (corpus.toml's
+    `expect`: one table for every fault, or a list with one per fault):
+    `passive` / `validated` (named right, default true), `passive_within_s`."""
+    import tomllib
+    with open(SCENARIOS / "corpus.toml", "rb") as fh:
+        sc = next(s for s in tomllib.load(fh)["scenario"] if s["name"] == name)
+    n = len(sc.get("fault", []))
+    e = sc.get("expect", {})
+    return e if isinstance(e, list) else [e] * n
+
+
+def replay(name: str, **config) -> list[dict]:
+    from greyhound_bpf.replay import replay as run
+    return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
+
+
+def _window(f: dict, t: dict) -> tuple[int, int]:
+    # From the start of the iteration the fault began in (up to a second
+    # before it was applied) to GRACE_S after it ended.
+    end = f["end_ns"] if f["end_ns"] is not None else t["end_ns"]
+    return f["start_ns"] - int(1e9), end + int(GRACE_S * 1e9)
+
+
+def _fault_at(t: dict, at_ns: int) -> dict | None:
+    for f in t["faults"]:
+        lo, hi = _window(f, t)
+        if lo <= at_ns < hi:
+            return f
+    return None
+
+
+def right(d: dict, f: dict) -> bool:
+    if f["kind"] == "compute":
+        return d["cause"] == "computation" and d["ranks"] == [f["rank"]]
+    if d["evidence"] == "passive":
+        return d["cause"] == "communication"
+    return d["cause"] == "communication" and d["link"] == f"rank {f['rank']}"
+
+
+def _job_ms(t: dict, lo_ns: int, hi_ns: int) -> float | None:
+    t0 = t["job_log_t0_ns"]
+    d = [ms for at, ms in t["job_log"] if lo_ns <= t0 + at * 1e6 < hi_ns]
+    return statistics.median(d) if len(d) >= 3 else None
+
+
+def confirmed(t: dict, e: dict) -> bool:
+    """The job's own log shows it slower over the slowdown's own windows: the
+    ~50 iterations its detector compared with before the onset, and the new
+    level until it was detected (at least 3 iterations)."""
+    onset, before_ns = e["onset_ns"], int(50 * e["before_ms"] * 1e6)
+    after_ns = max(e["time_ns"] - onset, int(3 * e["after_ms"] * 1e6))
+    before = _job_ms(t, onset - before_ns, onset)
+    after = _job_ms(t, onset, onset + after_ns)
+    return before is not None and after is not None and after >= CONFIRM_RATIO * before
+
+
+def score(t: dict, events: list[dict]) -> dict:
+    named = [e for e in events if e["kind"] == "diagnosis" and e["cause"] != "unknown"]
+    wrong, rightv = [], []
+    for d in named:
+        # A validation's verdict is about the time it measured.
+        at = d["details"].get("measured_at_ns") or d["time_ns"]
+        f = _fault_at(t, at)
+        (rightv if f is not None and right(d, f) else wrong).append(d)
+    faults = []
+    for f in t["faults"]:
+        lo, hi = _window(f, t)
+        start = max(f["start_ns"], t["attached_ns"])
+
+        def first(pred):
+            e = next((e for e in events if lo <= e["time_ns"] < hi and pred(e)), None)
+            return None if e is None else round((e["time_ns"] - start) / 1e9, 2)
+        faults.append({
+            "kind": f["kind"], "rank": f["rank"], "before_attach": f["start_ns"] < t["attached_ns"],
+            "slowdown_s": first(lambda e: e["kind"] == "slowdown" and e["scope"] == "job"),
+            "passive_s": first(lambda e: e["kind"] == "diagnosis" and e["evidence"] == "passive"
+                               and right(e, f)),
+            "validated_s": first(lambda e: e["kind"] == "diagnosis"
+                                 and e["evidence"] == "validation" and right(e, f))})
+    alarms = [e for e in events if e["kind"] == "slowdown" and e["scope"] == "job"
+              and _fault_at(t, e["onset_ns"]) is None]
+    plans = [e for e in events if e["kind"] == "action" and e.get("strategy") != "none"
+             and e.get("phase") != "outcome"]
+    pauses = [e for e in events if e["kind"] == "activity" and e["what"] == "pause"
+              and e["end_ns"] is not None]
+    ranks = sorted({e["rank"] for e in events if e["kind"] == "iteration"},
+                   key=lambda r: (r is None, r))
+    return {
+        "name": t["name"], "split": t["split"], "faults": faults,
+        "right": len(rightv), "wrong": len(wrong), "wrong_verdicts": wrong,
+        "unknown": sum(e["kind"] == "diagnosis" and e["cause"] == "unknown" for e in events),
+        "false_slowdowns": len(alarms),
+        "unconfirmed_slowdowns": sum(not confirmed(t, e) for e in alarms),
+        "plans_in_fault": sum(_fault_at(t, e["time_ns"]) is not None for e in plans),
+        "plans_outside": sum(_fault_at(t, e["time_ns"]) is None for e in plans),
+        "gains": [round(1 - e["expected_ms"] / e["current_ms"], 3) for e in plans
+                  if e.get("expected_ms") and e.get("current_ms")],
+        "validations": sum(e["kind"] == "validation" and e["phase"] == "request"
+                           for e in events),
+        "paused_s": round(sum((e["end_ns"] - e["start_ns"]) / 1e9 for e in pauses), 2),
+        "ranks": ranks,
+        "seconds": round((t["end_ns"] - t["attached_ns"]) / 1e9, 1),
+    }
