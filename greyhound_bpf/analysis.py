@@ -298,8 +298,10 @@ class JobAnalysis:
         # of its device, or (validation off) a trial at the even split.
         rank = self.policy.recheck_due(inp.t_ns)
         if rank is not None:
-            out += self._validation_events(self.planner.recheck(self._job_rank(rank),
-                                                                inp.t_ns), inp.t_ns)
+            asked = self.planner.recheck(self._job_rank(rank), inp.t_ns)
+            if not any(f["phase"] == "request" for f in asked):
+                self.policy.recheck_refused(inp.t_ns)    # a trial instead
+            out += self._validation_events(asked, inp.t_ns)
         out += self._actions(self.policy.trial_due(inp.t_ns), inp.t_ns)
         return out
 

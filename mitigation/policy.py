@@ -115,6 +115,7 @@ class _Episode:
     recheck_at_ns: int | None = None
     recheck_every_s: float = RECHECK_AFTER_S
     trial: dict | None = None            # a trial return to even in progress
+    trial_due_ns: int | None = None      # a recheck was refused: a trial instead
     restart_considered: bool = False
 
 
@@ -521,12 +522,25 @@ class SkiRentalPolicy:
                            f"iteration (healthy {e.healthy_ms:.1f}): the fault lasts, the plan "
                            "returns", trial["expected_ms"])]
 
-    def trial_due(self, now_ns: int) -> list[Decision]:
-        """With validation off: a trial return to the even split when due."""
+    def recheck_refused(self, now_ns: int) -> None:
+        """The recheck could not be had (the validation budget): a trial
+        return to the even split is due instead."""
         e = self.episode
-        if (e is None or self.validate or self.planned is not None or e.trial is not None
-                or self.straggler is None or e.recheck_at_ns is None
-                or now_ns < e.recheck_at_ns):
+        if e is not None:
+            e.trial_due_ns = now_ns
+
+    def trial_due(self, now_ns: int) -> list[Decision]:
+        """A trial return to the even split, when due: with validation off,
+        on the recheck schedule; with it on, when a recheck was refused."""
+        e = self.episode
+        if (e is None or self.planned is not None or e.trial is not None
+                or self.straggler is None):
+            return []
+        if self.validate:
+            if e.trial_due_ns is None or now_ns < e.trial_due_ns:
+                return []
+            e.trial_due_ns = None
+        elif e.recheck_at_ns is None or now_ns < e.recheck_at_ns:
             return []
         e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms}
         return [self._plan(self._even(), "trial: is the fault gone? the even split for "

@@ -314,3 +314,18 @@ def test_a_trial_return_to_even_when_validation_is_off():
     trial = pol.trial_due(job.now + int(600e9))
     apply(pol, job, trial[0])
     assert plans(run(pol, job, 30)) == [] and not pol.slow    # gone: even stays
+
+
+def test_a_refused_recheck_becomes_a_trial():
+    # The validation budget has no room for a recheck: the policy tries the
+    # even split instead, and keeps it when the job is back to healthy there.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    assert pol.trial_due(job.now + int(600e9)) == []     # validation on: rechecks first
+    assert pol.recheck_due(job.now + int(60e9)) == 2
+    pol.recheck_refused(job.now + int(60e9))
+    job.quota.clear()
+    (trial,) = pol.trial_due(job.now + int(61e9))
+    assert sorted(trial.plan["microbatches"].values()) == [8, 8, 8, 8]
+    apply(pol, job, trial)
+    assert plans(run(pol, job, 30)) == [] and not pol.slow

@@ -6,10 +6,10 @@ answers with requests (`validation` events) that the validator serves.
 - A passive verdict is validated while its slowdown lasts, or whenever it
   names a cause (a rebalance hides a slow rank, it does not fix it). One
   less than the passive rules' minimum (`below_min_ratio`) is not.
-- A slowdown in which no one rank stands out (`uniform`: the host, the
-  whole job, a whole communicator) is validated only once it has lasted
-  UNIFORM_PERSIST_S: a busy host's episodes pass in seconds, and a slow link
-  (which looks like that) lasts.
+- A verdict that names nothing is validated only once its slowdown has
+  lasted PERSIST_S: a busy host's episodes pass in seconds (they are most
+  such verdicts), a fault lasts (a slow link, which looks like every rank
+  waiting longer, included).
 - A slowdown whose fault validation has already named is not validated
   again on a further verdict of it that names nothing.
 - After a validation that names nothing, the next one waits BACKOFF_S,
@@ -32,10 +32,12 @@ BACKOFF_S = 30.0
 BACKOFF_MAX_S = 600.0
 # Longest a host's own slow episode lasted on this project's 2-core VMs (CI,
 # bench_diagnosis: collective shifts of 20-40% for up to 17 s).
-UNIFORM_PERSIST_S = 20.0
+PERSIST_S = 20.0
 # A validation's pause, until one has been measured: a CPU machine's GEMMs
 # and p2p rounds take 2-3 s (README, bench_diagnosis), a GPU's less.
 EXPECTED_PAUSE_S = 3.0
+# A recheck's: two devices' GEMMs, no links.
+RECHECK_PAUSE_S = 1.0
 
 
 @dataclass
@@ -79,7 +81,8 @@ class ValidationPlanner:
         if ev.get("scope") != "job":
             return
         if ev["kind"] == "slowdown" and self.slow_since_ns is None:
-            self.slow_since_ns = int(ev.get("onset_ns") or ev["time_ns"])
+            onset = ev.get("onset_ns")
+            self.slow_since_ns = int(onset if onset is not None else ev["time_ns"])
         elif ev["kind"] == "recovery":
             self.slow_since_ns = None
 
@@ -115,11 +118,13 @@ class ValidationPlanner:
             self.pending = None
             return []
         why = None
-        if v.details.get("uniform") and not v.named:
-            lasted = (now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns else 0.0
-            if lasted < UNIFORM_PERSIST_S:
-                why = (f"every rank slowed alike (the host or the whole job): validated if "
-                       f"it lasts {UNIFORM_PERSIST_S:.0f} s")
+        if not v.named:
+            lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
+                      else 0.0)
+            if lasted < PERSIST_S:
+                why = ("nothing named" + (" (every rank slowed alike: the host or the whole "
+                                          "job)" if v.details.get("uniform") else "")
+                       + f": validated if it lasts {PERSIST_S:.0f} s")
         if why is None and v.straggler is None and now_ns < self.not_before_ns:
             why = (f"the last validation named nothing: backing off "
                    f"{self.backoff_s:.0f} s")
@@ -152,7 +157,7 @@ class ValidationPlanner:
         if not self.enabled or self.in_flight is not None:
             return []
         used = self.paused_in_window(now_ns)
-        if used + min(self._last_pause_s, EXPECTED_PAUSE_S) > self.budget * self.window_s:
+        if used + RECHECK_PAUSE_S > self.budget * self.window_s:
             return [{"phase": "deferred", "index": None, "purpose": "recheck",
                      "reason": f"recheck of rank {rank}: pause budget used ({used:.1f} s in "
                                f"the last {self.window_s / 60:.0f} min)"}]

@@ -1,24 +1,35 @@
-"""End-to-end mitigation on a real job: detect -> rebalance -> recover.
+"""Mitigation end to end, with the real loss modelled: a slow rank's
+capacity is lost, not picked up by a neighbour.
 
-A 4-rank PyTorch DDP job on gloo (scripts/demo_train.py, 32 micro-batches
-per iteration) runs under `greyhound-trace attach --mitigate`. After a
-healthy phase one rank gets half the CPU it was using (a cgroup v1 CFS
-quota: 2x slower), later the quota is lifted. Measured from the trainer's
-own per-iteration log (ground truth, not the tool's estimate), as the period
-between consecutive iteration starts:
+A real 2-rank PyTorch DDP job (scripts/demo_train.py, 16 micro-batches per
+iteration), each rank pinned to a core of its own, so that a CPU quota on
+rank 1 takes capacity the job cannot get back elsewhere (a slow GPU's
+case). The same job and fault run twice per round, interleaved:
+advise-only (`attach --control-file`) and `attach --mitigate`. After a
+healthy phase rank 1 gets half a core (a CFS quota) for FAULT_S seconds,
+then the quota is lifted.
 
-- healthy, slow (before any plan is applied) and mitigated iteration times;
-- the mitigated time against the solver's predicted optimum (the plan's
-  expected_ms): goal within 10%;
-- lost time recovered, (slow - mitigated) / (slow - healthy): goal >= 70%,
-  and the same in throughput terms;
-- whether the policy returns to the even split after the quota is lifted,
-  and how long each milestone took.
+From the trainer's own log (rank 0's iteration starts), over the whole
+faulted window, detection and planning included:
+- lost iterations: what the healthy speed would have done minus what the
+  advise-only run did;
+- recovered: the mitigated run's iterations minus the advise-only run's,
+  as a share of the loss and of the *achievable* (the best integer split of
+  the per-micro-batch speeds measured during the fault, applied from its
+  first moment, minus the advise-only run);
+- each plan's achieved iteration time against its prediction;
+- plan changes while the fault lasted (goal <= 2, the return to even not
+  counted), whether work ever moved onto the slow rank, and whether the
+  even split came back after the lift.
+
+    sudo scripts/bench_mitigation              # 3 rounds
+    sudo scripts/bench_mitigation --rounds 5 --fault 40
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -27,159 +38,185 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from harness import (DEMO_ARGS, DDPJob, Timeout, cpu_share, median_dur,  # noqa: E402
-                     rank_pids, read_jsonl, wait_for)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import (GREYHOUND, DDPJob, JsonlTail, Timeout, cpu_share,  # noqa: E402
+                     wait_for)
+
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
+from mitigation.rebalance import solve  # noqa: E402
 
-BIN = Path(sys.executable).parent
+TRAIN = ("--microbatches", "8", "--mb-size", "256", "--hidden", "128", "--layers", "3",
+         "--bucket-mb", "25")
+TOTAL_MB = 16
+SLOW_RANK = 1
 
 
-def one_run(work: Path, slow_rank: int, healthy_s: float, mitigated_s: float,
-            after_s: float, log) -> dict:
+def starts_of(truth: list[dict], rank: int = 0) -> list[int]:
+    return sorted(r["start_ns"] for r in truth if r.get("rank") == rank and "start_ns" in r)
+
+
+def count_in(starts: list[int], lo: int, hi: int) -> int:
+    return sum(lo <= s < hi for s in starts)
+
+
+def median_period(starts: list[int], lo: int, hi: int) -> float:
+    d = [(b - a) / 1e6 for a, b in zip(starts, starts[1:]) if lo <= a < hi]
+    return statistics.median(d) if d else float("nan")
+
+
+def one_run(work: Path, mitigate: bool, args) -> dict:
     ctl, events = work / "ctl.json", work / "events.jsonl"
-    job = DDPJob(work, 4, *DEMO_ARGS, "--control-file", str(ctl), name="job")
-    truth = job.truth
-    tracer = None
-    quota = None
+    job = DDPJob(work, 2, *TRAIN, "--control-file", str(ctl), name="job")
+    tracer = quota = None
     try:
-        pids = wait_for(lambda: len(rank_pids(job.pid)) == 4 and rank_pids(job.pid), 120,
-                          "4 ranks")
-        wait_for(lambda: len(read_jsonl(truth)) >= 40, 120, "the job to train")
-        tracer = subprocess.Popen(
-            [str(BIN / "greyhound-trace"), "attach", str(job.pid), "--control-file", str(ctl),
-             "--mitigate", "--json", str(events), "-q"], stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: any(e["kind"] == "iteration" for e in read_jsonl(events)), 120,
-                   "the tracer's first iteration")
-        victim = pids[slow_rank]
-        share = cpu_share(victim, healthy_s)
-        inject_ns = time.time_ns()
-        quota = CpuQuota(victim, max(0.01, share / 2)).apply()
-
-        def applied_after(t_ns, pred):
-            """The first plan made after t_ns that every rank applied."""
-            evs = read_jsonl(events)
-            for e in evs:
-                if e["kind"] == "applied" and e["time_ns"] > t_ns:
-                    plan = next((a for a in evs if a["kind"] == "action"
-                                 and a.get("seq") == e["seq"] and "plan" in a), None)
-                    if plan and plan["time_ns"] > t_ns and pred(plan):
-                        return e, plan
-            return None
-        uneven = lambda a: len(set(a["plan"].get("microbatches", {}).values())) > 1  # noqa: E731
-        even = lambda a: len(set(a["plan"].get("microbatches", {}).values())) == 1  # noqa: E731
-        applied, plan = wait_for(lambda: applied_after(inject_ns, uneven), 120,
-                                   "a rebalance to be applied")
-        time.sleep(mitigated_s)
+        ranks = job.ranks(2)
+        for r, pid in ranks.items():          # one core each: lost capacity stays lost
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(tid), {r % os.cpu_count()})
+                except OSError:
+                    pass
+        job.trained(40, 180)
+        cmd = [*GREYHOUND, "attach", str(job.pid), "--control-file", str(ctl), "--json",
+               str(events), "-q"] + (["--mitigate"] if mitigate else [])
+        tracer = subprocess.Popen(cmd, stdout=open(work / "tracer.out", "w"),
+                                  stderr=subprocess.STDOUT, cwd=ROOT)
+        tail = JsonlTail(events)
+        wait_for(lambda: tail.kind("attach"), 60, "the attach")
+        share = cpu_share(ranks[SLOW_RANK], args.healthy)
+        fault_ns = time.time_ns()
+        quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
+        time.sleep(args.fault)
         lift_ns = time.time_ns()
         quota.undo()
         quota = None
         back = None
-        try:
-            back = wait_for(lambda: applied_after(lift_ns, even), after_s, "the even split")
-        except Timeout:
-            pass
-        time.sleep(3)
-        end_ns = time.time_ns()
-    finally:
-        if quota:
-            quota.undo()
-        if tracer and tracer.poll() is None:
-            tracer.send_signal(signal.SIGINT)
+        if mitigate:
+            def even_again():
+                for e in tail.kind("applied"):
+                    if e["time_ns"] > lift_ns:
+                        a = next((x for x in tail.kind("action") if x.get("seq") == e["seq"]
+                                  and x.get("plan")), None)
+                        if a and len(set(a["plan"]["microbatches"].values())) == 1:
+                            return e
+                return None
             try:
-                tracer.wait(30)
-            except subprocess.TimeoutExpired:
-                tracer.kill()
+                back = wait_for(even_again, args.after, "the even split")
+            except Timeout:
+                pass
+        time.sleep(3)
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(60)
+        tracer = None
+        truth = job.truth_records()
+    finally:
+        if quota is not None:
+            quota.undo()
+        if tracer is not None and tracer.poll() is None:
+            tracer.kill()
         job.close()
-    tr = read_jsonl(truth)
-    evs = read_jsonl(events)
-    start_ns = min(e["time_ns"] for e in evs if e["kind"] == "iteration")
-    slowdowns = [e for e in evs if e["kind"] == "slowdown" and e.get("scope") == "job"
-                 and e["time_ns"] > inject_ns]
-    healthy, nh = median_dur(tr, start_ns + int(2e9), inject_ns)
-    slow, ns = median_dur(tr, inject_ns + int(0.3e9), applied["time_ns"] - int(0.2e9))
-    mitigated, nm = median_dur(tr, applied["time_ns"] + int(2e9), lift_ns)
-    recovered, nr = median_dur(tr, back[0]["time_ns"] + int(1e9), end_ns) if back else (None, 0)
-    counts = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
-    # Each plan against its own prediction, over the iterations it ran.
-    actions = {a["seq"]: a for a in evs if a["kind"] == "action" and a.get("seq")
-               and "plan" in a}
-    tenures = [e for e in evs if e["kind"] == "applied" and inject_ns < e["time_ns"] < lift_ns]
-    per_plan = []
-    for e, nxt in zip(tenures, tenures[1:] + [None]):
-        hi = nxt["time_ns"] if nxt else lift_ns
-        got, n = median_dur(tr, e["time_ns"] + int(0.5e9), hi)
-        if n >= 10 and e["seq"] in actions:
-            per_plan.append(got / actions[e["seq"]]["expected_ms"] - 1)
-    return {
-        "share": share, "healthy_ms": healthy, "slow_ms": slow, "mitigated_ms": mitigated,
-        "expected_ms": plan["expected_ms"], "plan": counts, "samples": (nh, ns, nm),
-        "detect_s": (slowdowns[0]["time_ns"] - inject_ns) / 1e9 if slowdowns else None,
-        "applied_s": (applied["time_ns"] - inject_ns) / 1e9,
-        "back_to_even_s": (back[0]["time_ns"] - lift_ns) / 1e9 if back else None,
-        "recovered_ms": recovered,
-        "vs_expected": statistics.median(per_plan) if per_plan else float("nan"),
-        "plans_measured": len(per_plan),
-        "plans": sum(1 for e in evs if e["kind"] == "action" and e.get("seq")
-                     and "plan" in e),
-    }
+    evs = tail.read()
+    starts = starts_of(truth)
+    # Per-micro-batch speeds while slow (the tool's compute time per rank).
+    its = [e for e in evs if e["kind"] == "iteration" and not e.get("disturbed")
+           and fault_ns + 3e9 <= e["start_ns"] < lift_ns]
+    speeds = {}
+    for r in (0, 1):
+        c = [e["compute_ns"] / 1e6 / (TOTAL_MB // 2) for e in its if e["rank"] == r]
+        speeds[r] = statistics.median(c) if c else None
+    plans = [e for e in evs if e["kind"] == "action" and e.get("strategy") ==
+             "rebalance_microbatches" and e.get("phase") != "outcome"]
+    in_fault = [e for e in plans if fault_ns <= e["time_ns"] < lift_ns]
+    applied = {e["seq"]: e for e in evs if e["kind"] == "applied"}
+    vs = []
+    for e, nxt in zip(in_fault, in_fault[1:] + [None]):
+        a = applied.get(e.get("seq"))
+        if a is None:
+            continue
+        hi = applied[nxt["seq"]]["time_ns"] if nxt and nxt.get("seq") in applied else lift_ns
+        got = median_period(starts, a["time_ns"] + int(1e9), hi)
+        if got == got and e.get("expected_ms"):
+            vs.append(got / e["expected_ms"] - 1)
+    onto_slow = any(int(e["plan"]["microbatches"][str(SLOW_RANK)]) > TOTAL_MB // 2
+                    for e in in_fault)
+    first_applied = min((applied[e["seq"]]["time_ns"] for e in in_fault
+                         if e.get("seq") in applied), default=None)
+    return {"healthy_ms": median_period(starts, fault_ns - int(10e9), fault_ns),
+            "slow_ms": median_period(starts, fault_ns + int(2e9), lift_ns),
+            "iterations": count_in(starts, fault_ns, lift_ns), "fault_s": (lift_ns - fault_ns) / 1e9,
+            "speeds": speeds, "plans": len(in_fault), "onto_slow": onto_slow,
+            "vs_expected": statistics.median(vs) if vs else None,
+            "applied_s": (first_applied - fault_ns) / 1e9 if first_applied else None,
+            "even_again_s": (back["time_ns"] - lift_ns) / 1e9 if back else None}
+
+
+def achievable(adv: dict) -> float:
+    """Iterations the best split of the measured speeds would have run in the
+    faulted window, applied from its first moment."""
+    t = [adv["speeds"][0], adv["speeds"][1]]
+    even = max(TOTAL_MB // 2 * x for x in t)
+    best = solve(t, TOTAL_MB).makespan
+    # The iteration keeps its non-compute part (the all-reduce, the step).
+    other = max(0.0, adv["slow_ms"] - even)
+    return adv["fault_s"] * 1e3 / (best + other)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--slow-rank", type=int, default=2)
-    p.add_argument("--healthy", type=float, default=15.0, help="seconds before the slowdown")
-    p.add_argument("--mitigated", type=float, default=20.0, help="seconds with the plan")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--healthy", type=float, default=15.0, help="seconds before the fault")
+    p.add_argument("--fault", type=float, default=40.0, help="seconds the fault lasts")
     p.add_argument("--after", type=float, default=60.0,
-                   help="seconds to wait for the even split once the quota is lifted")
-    p.add_argument("--keep", action="store_true", help="keep the work directories")
+                   help="longest wait for the even split once the quota is lifted")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_mitigation: needs root (BPF and cgroups): sudo scripts/bench_mitigation",
               file=sys.stderr)
         return 1
-    rows = []
-    for i in range(args.runs):
-        work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
-        with open(work / "log.txt", "w") as log:
-            print(f"run {i + 1}/{args.runs} ({work})", flush=True)
-            r = one_run(work, args.slow_rank, args.healthy, args.mitigated, args.after, log)
-        rows.append(r)
-        rec_time = (r["slow_ms"] - r["mitigated_ms"]) / (r["slow_ms"] - r["healthy_ms"])
-        thr = ((1 / r["mitigated_ms"] - 1 / r["slow_ms"])
-               / (1 / r["healthy_ms"] - 1 / r["slow_ms"]))
-        r["recovered_time"], r["recovered_throughput"] = rec_time, thr
-        print(f"  rank {args.slow_rank} used {r['share']:.2f} CPU, quota {r['share'] / 2:.2f}; "
-              f"iteration ms healthy {r['healthy_ms']:.1f}, slow {r['slow_ms']:.1f}, "
-              f"mitigated {r['mitigated_ms']:.1f} (each plan vs its prediction: median "
-              f"{r['vs_expected']:+.1%} over {r['plans_measured']}), after lift "
-              f"{'-' if r['recovered_ms'] is None else format(r['recovered_ms'], '.1f')}")
-        print(f"  plan {r['plan']}; detected {r['detect_s'] or float('nan'):.1f} s, applied "
-              f"{r['applied_s']:.1f} s after the slowdown; even split "
-              f"{'never' if r['back_to_even_s'] is None else format(r['back_to_even_s'], '.1f') + ' s'}"
-              f" after the lift; {r['plans']} plans; samples {r['samples']}", flush=True)
-        if not args.keep:
-            import shutil
-            shutil.rmtree(work, ignore_errors=True)
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    print()
-    print(f"median of {len(rows)} runs (4 ranks, 32 micro-batches, rank {args.slow_rank} at "
-          f"half its CPU):")
-    print(f"  {'healthy ms':>12} {'slow ms':>9} {'mitigated':>10} "
-          f"{'plan vs predicted':>18} {'recovered (time)':>17} {'(throughput)':>13}")
-    print(f"  {med('healthy_ms'):>12.1f} {med('slow_ms'):>9.1f} {med('mitigated_ms'):>10.1f} "
-          f"{med('vs_expected'):>+18.1%} "
-          f"{med('recovered_time'):>17.0%} {med('recovered_throughput'):>13.0%}")
-    back = [r["back_to_even_s"] for r in rows]
-    print(f"  back to the even split after the lift: {sum(b is not None for b in back)}/"
-          f"{len(rows)} runs"
-          + (f", median {statistics.median(b for b in back if b is not None):.1f} s"
-             if any(b is not None for b in back) else ""))
-    print(f"  goals: within 10% of expected -> "
-          f"{'met' if abs(med('vs_expected')) <= 0.10 else 'NOT met'}; >= 70% recovered -> "
-          f"{'met' if med('recovered_time') >= 0.70 else 'NOT met'} (time), "
-          f"{'met' if med('recovered_throughput') >= 0.70 else 'NOT met'} (throughput)")
+    rounds = []
+    for i in range(args.rounds):
+        rnd = {}
+        for mitigate in ((False, True) if i % 2 == 0 else (True, False)):
+            work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
+            try:
+                rnd["mitigate" if mitigate else "advise"] = one_run(work, mitigate, args)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        adv, mit = rnd["advise"], rnd["mitigate"]
+        healthy_n = adv["fault_s"] * 1e3 / adv["healthy_ms"]
+        best_n = achievable(adv)
+        lost = healthy_n - adv["iterations"]
+        rec = mit["iterations"] - adv["iterations"]
+        rnd.update(lost=lost, recovered=rec, achievable=best_n - adv["iterations"],
+                   of_loss=rec / lost if lost > 0 else float("nan"),
+                   of_achievable=rec / (best_n - adv["iterations"])
+                   if best_n > adv["iterations"] else float("nan"))
+        rounds.append(rnd)
+        print(f"round {i + 1}/{args.rounds}: healthy {adv['healthy_ms']:.1f} ms, slow "
+              f"{adv['slow_ms']:.1f} ms; in {adv['fault_s']:.0f} s of fault: advise "
+              f"{adv['iterations']} iterations, mitigate {mit['iterations']}, healthy would be "
+              f"{healthy_n:.0f}, best split {best_n:.0f}: recovered {rnd['of_loss']:.0%} of the "
+              f"loss, {rnd['of_achievable']:.0%} of the achievable; plan applied "
+              f"{mit['applied_s'] or float('nan'):.1f} s after the fault, {mit['plans']} "
+              f"plan(s), vs prediction "
+              f"{'-' if mit['vs_expected'] is None else format(mit['vs_expected'], '+.1%')}, "
+              f"onto the slow rank: {'YES' if mit['onto_slow'] else 'no'}, even again "
+              f"{'never' if mit['even_again_s'] is None else format(mit['even_again_s'], '.1f') + ' s'}"
+              " after the lift", flush=True)
+    med = lambda f: statistics.median(f(r) for r in rounds)  # noqa: E731
+    vs = [r["mitigate"]["vs_expected"] for r in rounds if r["mitigate"]["vs_expected"] is not None]
+    print(f"\nmedian of {len(rounds)} rounds (2 ranks pinned one per core, rank {SLOW_RANK} at "
+          "half a core):")
+    print(f"  recovered {med(lambda r: r['of_loss']):.0%} of the lost iterations, "
+          f"{med(lambda r: r['of_achievable']):.2f} of the achievable (goal >= 0.8)")
+    print(f"  plan vs prediction {statistics.median(vs) if vs else float('nan'):+.1%} "
+          "(goal within 10%)")
+    print(f"  plan changes while the fault lasted: max {max(r['mitigate']['plans'] for r in rounds)}"
+          f" (goal <= 2); work onto the slow rank: "
+          f"{sum(r['mitigate']['onto_slow'] for r in rounds)} of {len(rounds)} (goal 0); even "
+          f"split again after the lift: {sum(r['mitigate']['even_again_s'] is not None for r in rounds)}"
+          f" of {len(rounds)}")
     return 0
 
 

@@ -1,0 +1,94 @@
+"""When to validate (diagnosis.planner): a named verdict at once, one that
+names nothing only if its slowdown lasts, a backoff after a validation that
+named nothing, and the pause budget over any 10 minutes."""
+from greyhound_bpf.diagnosis.planner import (BACKOFF_S, PERSIST_S, RECHECK_PAUSE_S,
+                                             ValidationPlanner)
+from greyhound_bpf.diagnosis.verdict import Diagnosis
+
+S = 10**9
+
+
+def slow(p, at_s):
+    p.observe({"kind": "slowdown", "scope": "job", "onset_ns": at_s * S, "time_ns": at_s * S})
+
+
+def named(rank=2):
+    return Diagnosis("passive", "computation", "rank grew", 10, (rank,))
+
+
+def unknown(**details):
+    return Diagnosis("passive", "unknown", "too small", 10, details=details)
+
+
+def phases(out):
+    return [f["phase"] for f in out]
+
+
+def finish(p, req, at_s, paused_s, verdict):
+    p.pause(at_s * S, int((at_s + paused_s) * S))
+    p.done(req["id"], verdict, int((at_s + paused_s) * S))
+
+
+def test_a_named_verdict_is_validated_at_once():
+    p = ValidationPlanner()
+    slow(p, 0)
+    (req,) = p.consider(named(), 2 * S)
+    assert req["phase"] == "request" and "rank 2" in req["reason"]
+    assert p.consider(named(), 3 * S) == []         # one at a time: it waits
+    finish(p, req, 5, 2.0, Diagnosis("validation", "computation", "x5", 10, (2,)))
+    assert phases(p.tick(10 * S)) == ["request"]    # then the waiting one
+
+
+def test_an_unknown_verdict_waits_for_its_slowdown_to_last():
+    p = ValidationPlanner()
+    slow(p, 0)
+    assert phases(p.consider(unknown(uniform=True), 3 * S)) == ["deferred"]
+    assert p.tick(10 * S) == []                     # said once
+    assert phases(p.tick(int((PERSIST_S + 1) * S))) == ["request"]
+    # One that is over before it lasted is dropped.
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(unknown(), 3 * S)
+    p.observe({"kind": "recovery", "scope": "job"})
+    assert p.tick(int((PERSIST_S + 1) * S)) == [] and p.pending is None
+
+
+def test_below_the_minimum_is_never_validated_nor_once_named_by_validation():
+    p = ValidationPlanner()
+    slow(p, 0)
+    assert p.consider(unknown(below_min_ratio=True), 30 * S) == []
+    (req,) = p.consider(named(), 31 * S)
+    finish(p, req, 32, 2.0, Diagnosis("validation", "computation", "x5", 10, (2,)))
+    # A later verdict of the same slowdown that names nothing adds nothing.
+    assert p.consider(unknown(), 60 * S) == []
+
+
+def test_backoff_after_a_validation_that_named_nothing():
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(unknown(), 1 * S)
+    (req,) = p.tick(int(PERSIST_S * S) + S)
+    t = PERSIST_S + 2
+    finish(p, req, t, 1.0, Diagnosis("validation", "unknown", "healthy"))
+    assert phases(p.consider(unknown(), int((t + 2) * S))) == ["deferred"]
+    assert phases(p.tick(int((t + 1 + BACKOFF_S + 1) * S))) == ["request"]
+
+
+def test_the_pause_budget_holds_over_any_ten_minutes():
+    p = ValidationPlanner(budget=0.01, window_s=600)    # 6 s per 10 minutes
+    slow(p, 0)
+    (req,) = p.consider(named(1), 1 * S)
+    finish(p, req, 2, 3.5, Diagnosis("validation", "computation", "x5", 10, (1,)))
+    # Another full validation (3.5 s more) would pass 6 s: it waits...
+    out = p.consider(named(3), 10 * S)
+    assert phases(out) == ["deferred"] and "pause budget" in out[0]["reason"]
+    # ...but a recheck's short pause fits, twice (5.5 s), not three times.
+    for at in (20, 40):
+        (rq,) = p.recheck(1, at * S)
+        assert rq["purpose"] == "recheck" and rq["devices"] == [1]
+        finish(p, rq, at, RECHECK_PAUSE_S,
+               Diagnosis("validation", "computation", "x5", None, (1,)))
+    assert phases(p.recheck(1, 60 * S)) == ["deferred"]
+    assert p.paused_in_window(60 * S) == 3.5 + 2 * RECHECK_PAUSE_S
+    # Ten minutes after the first pause, it has room again.
+    assert phases(p.tick(int(610 * S))) == ["request"]
