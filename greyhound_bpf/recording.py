@@ -35,6 +35,7 @@ import numpy as np
 from . import GreyhoundError, __version__
 from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, PlanWritten, Targets,
                        Tick, Validated)
+from .output.jsonl import plain
 from .probe.catalog import Catalog
 from .probe.records import CALL_DTYPE, GH_MAX_ARGS
 
@@ -109,7 +110,7 @@ class Recorder:
             self.dropped += 1
             return
         try:
-            self._fh.write(json.dumps(d, separators=(",", ":")) + "\n")
+            self._fh.write(json.dumps(d, separators=(",", ":"), default=plain) + "\n")
         except OSError as e:
             self.error = f"{e.strerror or e}"
             self.dropped += 1

@@ -41,7 +41,8 @@ class PatternChange:
     gap_classes: bool      # whether long host gaps were needed to see the period
 
     def fields(self) -> dict:
-        return {"rank": self.rank, "period_calls": self.period_calls, "previous": self.previous,
+        return {"rank": self.rank, "period_calls": int(self.period_calls),
+                "previous": None if self.previous is None else int(self.previous),
                 "reason": self.reason, "acf_peak": round(self.acf_peak, 4),
                 "anchor_score": round(self.anchor_score, 4), "gap_classes": self.gap_classes}
 
@@ -231,8 +232,8 @@ class IterationEstimator:
         for k in range(self.min_period, nlags + 1):
             if sm[k] < self.peak_fraction * top:
                 continue
-            k_best = int(np.argmax(adj[max(self.min_period, k - width[k]):k + width[k] + 1])) \
-                + max(self.min_period, k - width[k])
+            lo = max(self.min_period, int(k - width[k]))
+            k_best = int(np.argmax(adj[lo:k + width[k] + 1])) + lo
             kk = _anchor_length(k_best, ntypes, self.anchor_k)
             if n < self.min_repeats * k_best + kk:
                 return None

@@ -6,6 +6,15 @@ import sys
 from typing import IO
 
 
+def plain(o):
+    """A NumPy scalar as the Python number it holds (a stage that forgot
+    to convert one must not take the tracer down)."""
+    item = getattr(o, "item", None)
+    if item is not None:
+        return item()
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
 class JsonLinesWriter:
     """Writes one compact JSON object per line and flushes per batch.
 
@@ -22,7 +31,7 @@ class JsonLinesWriter:
         if self.closed:
             return
         try:
-            self._fh.write(json.dumps(event, separators=(",", ":")) + "\n")
+            self._fh.write(json.dumps(event, separators=(",", ":"), default=plain) + "\n")
         except BrokenPipeError:
             self.closed = True
 
