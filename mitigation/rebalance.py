@@ -17,6 +17,8 @@ further constraints go. `scripts/bench_rebalance` times both.
 from __future__ import annotations
 
 import heapq
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -78,10 +80,38 @@ def greedy_makespan(per_microbatch, total: int, caps=None) -> float:
     return float((greedy(t, total, caps) * t).max())
 
 
+_banner_gone = False
+
+
+def _quiet_highs() -> None:
+    """HiGHS 1.16 prints a banner on stdout when a process makes its first
+    solver, whatever its options; greyhound's stdout may be JSON lines
+    (`replay`, `attach --json -`). The first one is made here, with the
+    process's stdout pointed at /dev/null; later ones say nothing."""
+    global _banner_gone
+    if _banner_gone:
+        return
+    _banner_gone = True
+    try:
+        import highspy
+    except ImportError:
+        return
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def solve(per_microbatch: list[float] | np.ndarray, total: int,
           caps: list[int] | None = None, time_limit: float = 10.0) -> Rebalance:
     """Minimise max_i n_i t_i subject to sum n_i = total, 1 <= n_i <= cap_i."""
     import cvxpy as cp
+    _quiet_highs()
     t, cap = _check(per_microbatch, total, caps)
     w = len(t)
     start = time.perf_counter()

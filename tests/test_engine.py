@@ -267,3 +267,18 @@ def test_a_persistent_slowdown_stays_slow():
     for seed in range(5):
         x, _ = iteration_series(1200, changes=((200, 1.3),), cv=0.1, seed=seed)
         assert [k for k, _, _ in detect(x)] == ["slowdown"], seed
+
+
+def test_segmentation_scores_against_annotations():
+    from bocd_reference import covering, f1
+    ann = {"a": [50], "b": [52], "c": []}
+    # Within the margin of both annotators who marked it, nothing extra.
+    assert f1(ann, [51]) == pytest.approx(2 * 1.0 * (1 + 1 + 1) / 3 / (1 + 1))
+    assert f1(ann, [80]) < f1(ann, [51])        # a point far from every mark
+    assert f1({"a": [50]}, [50, 51]) < 1       # one mark matches one prediction only
+    n = 100
+    assert covering({"a": [50]}, [50], n) == 1.0
+    assert covering({"a": []}, [], n) == 1.0
+    # One annotator's [0,50) [50,100) against no split: each half overlaps
+    # the whole by 1/2, weighted by its length: 0.5.
+    assert covering({"a": [50]}, [], n) == pytest.approx(0.5)
