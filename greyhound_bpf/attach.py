@@ -27,7 +27,7 @@ import numpy as np
 from . import GreyhoundError
 from .analysis import (Acks, Activity, AnalysisConfig, Calls, JobAnalysis, PlanWritten,
                        Targets, Tick, Validated)
-from .diagnosis.host import PAUSE_MAX_S, busy_since
+from .diagnosis.host import PAUSE_MAX_S, Background, busy_since
 from .diagnosis.planner import PAUSE_BUDGET
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 from .events import make_event
@@ -235,6 +235,10 @@ class AttachSession:
         self.tracer = Tracer(self.catalog, self.opts.ringbuf_pages, self.opts.count_launches)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.monotonic()
+        # Starting costs seconds of CPU (the BPF program's compile, the
+        # kernels' cache, symbol tables): in the background, so that a busy
+        # job does not lose them; back in front once the probes are in.
+        background = Background().enter()
         try:
             if self.opts.metrics_port is not None:
                 from .output.metrics import Metrics
@@ -248,6 +252,10 @@ class AttachSession:
             self.tracer.load()
             new, _, _ = self._initial_scan
             self._attach_targets(new, first=True)
+            background.restore()
+            if background.timed_out:
+                self.say(f"start-up outlasted {background.max_s:.0f} s at idle priority "
+                         "(the machine is saturated): finished at normal priority")
             if not new:
                 self.say(f"waiting for ranks under PID {', '.join(map(str, self.opts.pids))} "
                          "to load a probed library")
@@ -257,6 +265,7 @@ class AttachSession:
             self.emit("detach", reason="error", error=str(e))
             raise
         finally:
+            background.restore()
             if self.live is not None:
                 self.live.stop()              # the summary prints below the last view
                 self.live = None

@@ -171,8 +171,10 @@ def test_a_device_slow_only_for_a_moment_is_not_named(ddp_job):
     wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
     members = validate.members_for_job([job.proc.pid])
     pid2 = next(m.pid for m in members if m.rank == 2)
-    # Half a CPU: its GEMM reads about x2, what a busy moment can do (one
-    # that reads x3 twice in the first pause is named at once).
+    # Half a CPU: its GEMM reads x2 or more (x3+ on a loaded 2-core CI
+    # host, where the skip rule would name it in the first pause: that rule
+    # is test_cpu_quota_straggler_is_measured's; off here, so that this
+    # test is about the confirmation whatever the host's load).
     quota = CpuQuota(pid2, 0.5)
     said = []
 
@@ -181,7 +183,7 @@ def test_a_device_slow_only_for_a_moment_is_not_named(ddp_job):
         if msg.startswith("confirming"):
             quota.undo()                            # the moment is over
 
-    v = validate.Validator(members, progress=progress)
+    v = validate.Validator(members, progress=progress, confirm_skip_ratio=float("inf"))
     try:
         v.start()
         quota.apply()

@@ -11,11 +11,12 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..probe.discovery import read_environ, read_stat
+from ..probe.discovery import read_environ, read_stat, threads_of
 
 # Longest the job may be paused by one validation (`--pause-max`): a
 # watchdog process resumes it then, even if the tracer is killed.
@@ -218,6 +219,60 @@ class MeasureLock:
     def __exit__(self, *exc) -> None:
         if self.fh:
             self.fh.close()                 # releases the lock
+
+
+class Background:
+    """This process, every thread of it, at SCHED_IDLE while it starts
+    (importing, compiling the BPF program, scanning symbol tables: seconds
+    of CPU that a saturated job would lose). `restore()` puts it back at
+    `nice` once the probes are in: a tracer then needs a little CPU,
+    promptly (the ring buffer's records), not much. A machine the job keeps
+    saturated would starve an idle start-up for minutes: after `max_s` a
+    watchdog thread (created before the others go idle, so never idle
+    itself) restores it anyway."""
+
+    def __init__(self, nice: int = 5, max_s: float = 20.0):
+        self.nice, self.max_s = nice, max_s
+        self.idle = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.timed_out = False
+
+    def enter(self) -> "Background":
+        watchdog = threading.Thread(target=self._watch, name="greyhound-background",
+                                    daemon=True)
+        watchdog.start()
+        self.idle = True
+        self._policy(os.SCHED_IDLE, skip=watchdog.native_id)
+        return self
+
+    def _watch(self) -> None:
+        if not self._done.wait(self.max_s):
+            self.timed_out = True
+            self.restore()
+
+    def restore(self) -> None:
+        self._done.set()
+        with self._lock:
+            if not self.idle:
+                return
+            self.idle = False
+            self._policy(os.SCHED_OTHER)
+            for tid in threads_of(os.getpid()):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _policy(policy: int, skip: int | None = None) -> None:
+        for tid in threads_of(os.getpid()):
+            if tid == skip:
+                continue
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except OSError:
+                pass
 
 
 class Busy:

@@ -61,7 +61,8 @@ class Validator:
     def __init__(self, members: list[Member], edges: list[tuple[int, int]] | None = None,
                  pause: bool = True, pause_max_s: float = PAUSE_MAX_S,
                  start_timeout_s: float = START_TIMEOUT_S, progress=None,
-                 report: SpanReport | None = None, python: str = sys.executable):
+                 report: SpanReport | None = None, python: str = sys.executable,
+                 confirm_skip_ratio: float = CONFIRM_SKIP_RATIO):
         if len(members) < 1:
             raise GreyhoundError("nothing to validate: no ranks")
         self.members = sorted(members, key=lambda m: m.rank)
@@ -78,6 +79,7 @@ class Validator:
         # reported with its span to whoever analyses the job.
         self.report = report
         self.python = python
+        self.confirm_skip_ratio = confirm_skip_ratio
         self.workers: dict[int, Worker] = {}
         self.ready: list[int] = []
         self.cancelled = False
@@ -286,7 +288,7 @@ class Validator:
         # Measured twice in this pause next to the fastest device, and far
         # beyond what a busy moment does: no need to wait and see.
         sure = {r for r, x in slow.items()
-                if x >= CONFIRM_SKIP_RATIO and res.devices[r].get("passes", 1) >= 2}
+                if x >= self.confirm_skip_ratio and res.devices[r].get("passes", 1) >= 2}
         devices = [r for r in self._slow_devices(res) if r not in sure]
         links = sorted(link_suspects({e: d["rtt_ms"] for e, d in res.links.items()}))
         if (not devices and not links) or self.cancelled or self.broken:
