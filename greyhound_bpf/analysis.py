@@ -36,8 +36,9 @@ from mitigation.policy import RESTART_ESTIMATE_S, SkiRentalPolicy
 # Attaching uprobes and the tracer's own start-up slow a job on a small host
 # for a moment after the probes are in: iterations until then are ours.
 SETTLE_S = 2.0
-# A verdict the same as one given this recently (by the other passive
-# method) is not said again.
+# A passive verdict the same as one given this recently (by the other
+# passive method) in the same episode (no job recovery since) is not said
+# again. Validation verdicts answer a request: always said.
 SAME_VERDICT_S = 60.0
 
 
@@ -166,6 +167,7 @@ class JobAnalysis:
         self.outcome_due: _PlanInFlight | None = None
         self.acks_seen: dict = {}
         self.diagnoses: list[Diagnosis] = []        # every verdict, in order
+        self.recovered_ns = 0                        # the job's last recovery
         self.requests: dict[int, dict] = {}         # validation requests, by id
 
     # -- the one entry point ---------------------------------------------------------
@@ -323,6 +325,8 @@ class JobAnalysis:
         t = ev["time_ns"]
         if ev["kind"] in ("slowdown", "recovery"):
             self.planner.observe(ev)
+            if ev["kind"] == "recovery" and ev.get("scope") == "job":
+                self.recovered_ns = t
         out = self._verdicts(self.passive.observe(ev) + self.cross.observe(ev), t)
         out += self._mitigate(ev)
         return out
@@ -342,13 +346,20 @@ class JobAnalysis:
 
     def _said_already(self, v: Diagnosis, t_ns: int) -> bool:
         """A cross-sectional verdict that a passive verdict of the same
-        evidence gave in the last SAME_VERDICT_S (or the reverse) adds nothing."""
-        for old in reversed(self.diagnoses[-8:]):
-            if (old.evidence == v.evidence and old.named and
-                    (old.cause, old.ranks, old.link) == (v.cause, v.ranks, v.link) and
-                    t_ns - old.details.get("at_ns", t_ns) <= SAME_VERDICT_S * 1e9):
-                return True
+        evidence gave in the last SAME_VERDICT_S of this episode (or the
+        reverse) adds nothing. A fault again on the same rank after the job
+        recovered is a new fault, and a validation's verdict answers its
+        request: both are always said (the policy and the planner need
+        them)."""
         v.details.setdefault("at_ns", t_ns)
+        if v.evidence == "validation":
+            return False
+        for old in reversed(self.diagnoses[-8:]):
+            at = old.details.get("at_ns", t_ns)
+            if (old.evidence == v.evidence and old.named and at >= self.recovered_ns and
+                    (old.cause, old.ranks, old.link) == (v.cause, v.ranks, v.link) and
+                    t_ns - at <= SAME_VERDICT_S * 1e9):
+                return True
         return False
 
     def _planner_tick(self, t_ns: int) -> list[dict]:
