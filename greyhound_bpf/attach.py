@@ -233,7 +233,7 @@ class AttachSession:
     def run(self) -> int:
         self.preflight()
         self.tracer = Tracer(self.catalog, self.opts.ringbuf_pages, self.opts.count_launches)
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         t0 = time.monotonic()
         # Starting costs seconds of CPU (the BPF program's compile, the
         # kernels' cache, symbol tables): in the background, so that a busy

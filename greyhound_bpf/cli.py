@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from . import GreyhoundError, __version__
@@ -382,12 +383,21 @@ def cmd_check(args) -> int:
     return code
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    # SIGTERM and a closed terminal (SIGHUP) end a command the way Ctrl-C
+    # does, through its cleanup (validation workers, a paused job, an
+    # injection); attach and inject install their own handlers.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         return {"attach": cmd_attach, "replay": cmd_replay, "check": cmd_check,
                 "inject": cmd_inject, "validate": cmd_validate}[args.command](args)

@@ -12,7 +12,7 @@ GREYHOUND_EXCLUDE / GREYHOUND_RESTARTS are set for the trainer. The restart's
 cost (checkpoint written -> the relaunched ranks announce themselves) is
 measured and written to `<control>.restart_cost`, where greyhound-trace's
 policy reads it instead of its estimate. Any other exit ends the supervisor
-with the command's exit code. SIGINT/SIGTERM are passed to the job.
+with the command's exit code. SIGINT, SIGTERM and SIGHUP are passed to the job.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             except ProcessLookupError:
                 pass
 
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, forward)
     while True:
         nproc = None if args.nproc is None else args.nproc - len(excluded)

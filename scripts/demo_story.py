@@ -33,7 +33,10 @@ QUIET_S = 3.0     # > the passive diagnosis' margin after validation (BUSY_AFTER
 
 
 def say(msg: str) -> None:
-    print(f"demo: {msg}", file=sys.stderr, flush=True)
+    try:
+        print(f"demo: {msg}", file=sys.stderr, flush=True)
+    except OSError:
+        pass                # the terminal is gone (SIGHUP): clean up all the same
 
 
 def first(evs, pred):
@@ -169,6 +172,7 @@ def main(argv=None) -> int:
     # without job control leaves SIGINT ignored, and Ctrl-C must still clean up.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)    # the terminal was closed
     try:
         say(f"starting a 4-rank gloo DDP job (logs in {work})")
         job = DDPJob(work, 4, *DEMO_ARGS, "--control-file", str(work / "ctl.json"), name="job")

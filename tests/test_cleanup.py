@@ -1,7 +1,8 @@
 """No probe is left behind after any exit of the tracer: normal, SIGINT,
-SIGTERM, and kill -9. Probes are perf-event fds (the uprobe PMU), which the
-kernel closes with the process; tracefs must hold no uprobe of ours either.
-The target keeps running unharmed throughout."""
+SIGTERM, SIGHUP (its terminal closed) and kill -9. Probes are perf-event
+fds (the uprobe PMU), which the kernel closes with the process; tracefs
+must hold no uprobe of ours either. The target keeps running unharmed
+throughout."""
 import signal
 import time
 
@@ -27,7 +28,7 @@ def steps(job) -> int:
     return len(job.truth_records())
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGHUP", "SIGKILL"])
 def test_no_probe_left_after_exit(running_job, tracer, how):
     baseline_fds, baseline_events = perf_event_fds(), uprobe_events()
     t = tracer([running_job.proc.pid], "-q", name=how)

@@ -36,8 +36,10 @@ def test_demo_headless_tells_the_whole_story():
     assert left == "", left
 
 
-def test_demo_ctrl_c_leaves_nothing():
-    """Ctrl-C in the middle of the slowdown: the injection, the tracer and
+@pytest.mark.parametrize("how", ["SIGINT", "SIGHUP"])
+def test_demo_ctrl_c_leaves_nothing(how):
+    """Ctrl-C (SIGINT), or the terminal closed (SIGHUP to the foreground
+    group), in the middle of the slowdown: the injection, the tracer and
     every rank are gone afterwards."""
     import os
     import signal
@@ -52,7 +54,7 @@ def test_demo_ctrl_c_leaves_nothing():
     try:
         wait_for(lambda: len(leftover_groups()) > len(before), 180, "the injection")
         time.sleep(2)
-        os.killpg(p.pid, signal.SIGINT)          # the terminal's Ctrl-C: the whole group
+        os.killpg(p.pid, getattr(signal, how))   # the terminal does it to the whole group
         out, _ = p.communicate(timeout=90)
     finally:
         if p.poll() is None:

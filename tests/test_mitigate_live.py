@@ -2,13 +2,15 @@
 gets a third of a CPU (cgroup quota): the tool detects it, writes a
 rebalancing plan, the trainer applies it (ack -> `applied`), the slow rank
 runs fewer micro-batches and the global batch is kept; when the quota is
-lifted the policy returns to the even split. Advise-only mode reports a
-plan without writing the control file."""
+lifted the policy returns to the even split. The run is recorded, and its
+replay gives the same verdicts and plans. Advise-only mode reports a plan
+without writing the control file."""
+import json
 import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import run_cli, wait_for
 from greyhound_bpf.inject import CpuQuota
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
@@ -25,7 +27,9 @@ def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
     ctl = tmp_path / "ctl.json"
     job = ddp_job(2, 0, *TRAIN, "--control-file", str(ctl), go=False)
     wait_for(lambda: len(job.truth_records()) >= 20, 90, "the job to train")
-    t = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate")
+    rec = tmp_path / "run.rec.gz"
+    t = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate",
+               "--record", str(rec))
     rank1 = next(r["pid"] for r in t.wait_attached(2) if r["rank"] == 1)
     t.healthy_baseline(60)
     with CpuQuota(rank1, 0.3):
@@ -66,6 +70,16 @@ def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
         by_step.setdefault(r["index"], {})[r["rank"]] = r["microbatches"]
     assert all(sum(v.values()) == 16 for v in by_step.values() if len(v) == 2)
     assert "PLAN" in t.output() and "APPLIED" in t.output()
+    # The recording's replay gives the live run's verdicts, validation
+    # requests and plans exactly: the same analysis over the same inputs.
+    kinds = ("slowdown", "recovery", "diagnosis", "validation", "action", "applied")
+    r = run_cli("replay", str(rec), timeout=300)
+    assert r.returncode == 0, r.stderr
+    replayed = [e for e in map(json.loads, r.stdout.splitlines()) if e["kind"] in kinds]
+    live = [e for e in t.events() if e["kind"] in kinds and
+            (e["kind"] != "validation" or e.get("phase") in ("request", "deferred"))]
+    assert any(e["kind"] == "diagnosis" and e["evidence"] == "validation" for e in live)
+    assert replayed == live
 
 
 def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
