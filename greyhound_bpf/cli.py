@@ -14,9 +14,10 @@ EPILOG_ATTACH = """\
 examples:
   sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
   sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
-  sudo greyhound-trace attach 4242 --json ev.jsonl --calls --duration 60
+  sudo greyhound-trace attach -p 4242 -p 4243   # ranks directly (bcc's spelling)
+  sudo greyhound-trace attach 4242 -o ev.jsonl --calls --duration 60
   sudo greyhound-trace attach 4242 --record run.rec.gz   # replay it later
-  sudo greyhound-trace attach 4242 --json - | jq 'select(.kind=="lost")'
+  sudo greyhound-trace attach 4242 -j | jq 'select(.kind=="lost")'
   sudo greyhound-trace attach --wait $(pgrep -f train.sh)  # ranks start later
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json --mitigate
@@ -29,7 +30,7 @@ EPILOG_REPLAY = """\
 examples:
   sudo greyhound-trace attach 4242 --record run.rec.gz --duration 300
   greyhound-trace replay run.rec.gz | jq 'select(.kind=="diagnosis")'
-  greyhound-trace replay run.rec.gz --no-iterations --threshold 0.2
+  greyhound-trace replay run.rec.gz --no-iterations --threshold 0.2 -o ev.jsonl
 """
 
 EPILOG_INJECT = """\
@@ -48,7 +49,7 @@ EPILOG_VALIDATE = """\
 examples:
   greyhound-trace validate --world 4           # pre-check: 4 devices, ring links
   sudo greyhound-trace validate 4242           # the ranks of a running job
-  sudo greyhound-trace validate 4242 --json v.jsonl --no-pause
+  sudo greyhound-trace validate 4242 -o v.jsonl --no-pause
 
 With PIDs, one worker per rank runs where the rank runs (its network
 namespace, cgroups and CPU affinity); the job is paused (SIGSTOP) only while
@@ -112,14 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Attach uprobes to the NCCL, CUDA runtime and gloo calls\n"
                                    "of a running job and its ranks, without restarting it.",
                        epilog=EPILOG_ATTACH, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("pids", metavar="PID", type=_pid, nargs="+",
+    a.add_argument("pids", metavar="PID", type=_pid, nargs="*",
                    help="a rank, or a launcher (torchrun, mpirun, a script): its ranks are found")
+    a.add_argument("-p", "--pid", dest="more_pids", type=_pid, action="append", default=[],
+                   metavar="PID", help="a PID too (repeatable; bcc tools' spelling)")
     a.add_argument("-i", "--interval", type=_positive, default=1.0, metavar="S",
                    help="seconds between text summaries (default 1)")
     a.add_argument("-n", "--count", type=int, metavar="N", help="stop after N summaries")
-    a.add_argument("-j", "--json", nargs="?", const="-", metavar="FILE",
-                   help="write JSON-lines events to FILE (default: stdout; the text "
-                        "summary then goes to stderr)")
+    _output_args(a, "events as JSON lines on stdout (the text summary then goes to stderr)",
+                 "write the JSON-lines events to FILE (the view or text stays on the terminal)")
     a.add_argument("--calls", action="store_true",
                    help="include one `call` event per probed call in the JSON stream")
     a.add_argument("--record", metavar="FILE",
@@ -136,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("-q", "--quiet", action="store_true", help="no interval summaries")
     a.add_argument("--no-tui", action="store_true",
                    help="plain text lines even on a terminal (the live view is the default "
-                        "when stdout is a terminal and --json is not -)")
+                        "when stdout is a terminal and -j is not given)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
     a.add_argument("--threshold", type=_positive, default=SLOWDOWN_THRESHOLD, metavar="F",
@@ -175,13 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="run the analysis over a recorded run",
                        description="Feed a recording made with `attach --record FILE` to the\n"
                                    "analysis: the live run's events again, diagnoses and plans\n"
-                                   "included (an `attach --json FILE --calls` stream gives the\n"
+                                   "included (an `attach -o FILE --calls` stream gives the\n"
                                    "engine's events). The same file always gives the same events.",
                        epilog=EPILOG_REPLAY, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("file", metavar="FILE", help="a recording (attach --record), or an event "
                                                  "stream with call events")
-    r.add_argument("--json", metavar="OUT", default="-",
-                   help="write the events here (default: stdout)")
+    _output_args(r, "JSON lines on stdout (the default)", "write the events to FILE")
     r.add_argument("--no-iterations", action="store_true",
                    help="leave out `iteration` events (keep pattern/slowdown/recovery)")
     r.add_argument("--threshold", type=_positive, metavar="F",
@@ -221,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank or launcher of a running job (needs root)")
     v.add_argument("--world", type=int, metavar="N",
                    help="pre-check N devices on this machine before a job starts")
-    v.add_argument("-j", "--json", metavar="FILE",
-                   help="also write the `diagnosis` event to FILE (- for stdout)")
+    _output_args(v, "the `diagnosis` event as a JSON line on stdout, instead of the table",
+                 "also write the `diagnosis` event to FILE")
     v.add_argument("--no-pause", action="store_true",
                    help="measure while the job runs (noisier; nothing is paused)")
     v.add_argument("--pause-max", type=_positive, default=PAUSE_MAX_S, metavar="S",
@@ -242,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _output_args(p, json_help: str, output_help: str) -> None:
+    p.add_argument("-j", "--json", action="store_true", help=json_help)
+    p.add_argument("-o", "--output", metavar="FILE", help=output_help)
+
+
+def _json_target(args) -> str | None:
+    """Where JSON lines go: -o FILE, else stdout with -j, else nowhere."""
+    return args.output or ("-" if args.json else None)
+
+
 def cmd_attach(args) -> int:
     from .attach import AttachOptions, AttachSession
     from .probe.tracer import DEFAULT_RINGBUF_PAGES
@@ -252,8 +263,12 @@ def cmd_attach(args) -> int:
         print(f"// cflags: {' '.join(t.cflags())}")
         print(open(t.source_path()).read())
         return 0
+    pids = list(dict.fromkeys(args.pids + args.more_pids))
+    if not pids:
+        raise GreyhoundError("give the PID of a rank or of its launcher (PID or -p PID)")
+    out = _json_target(args)
     opts = AttachOptions(
-        pids=args.pids, json_path=args.json, record_path=args.record, calls=args.calls,
+        pids=pids, json_path=out, record_path=args.record, calls=args.calls,
         duration=args.duration,
         interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
         ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
@@ -263,7 +278,7 @@ def cmd_attach(args) -> int:
         restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr, validate=not args.no_validate,
         pause_max_s=args.pause_max, pause_budget=args.pause_budget,
-        tui=sys.stdout.isatty() and args.json != "-" and not args.no_tui and not args.quiet)
+        tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
     return AttachSession(opts).run()
@@ -275,7 +290,7 @@ def cmd_replay(args) -> int:
     overrides = {k: v for k, v in (("threshold", args.threshold),
                                    ("min_probability", args.min_probability)) if v is not None}
     events = replay(args.file, **overrides)
-    out = JsonLinesWriter(args.json)
+    out = JsonLinesWriter(args.output or "-")
     for ev in events:
         if args.no_iterations and ev["kind"] == "iteration":
             continue
@@ -362,11 +377,12 @@ def cmd_validate(args) -> int:
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",
                                                           highlight=False))
     fields = rules.decide(v.run()).fields()
-    if args.json:
-        out = JsonLinesWriter(args.json)
+    target = _json_target(args)
+    if target:
+        out = JsonLinesWriter(target)
         out.write(make_event("diagnosis", job, **fields))
         out.close()
-    if args.json != "-":
+    if target != "-":
         Console().print(render_validation(fields))
     if fields["cause"] != "unknown":
         return 3

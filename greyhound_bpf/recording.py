@@ -20,7 +20,7 @@ kind and `t` its time (ns, analysis clock):
     written    seq, error (null when the plan was written)
     tick       (time only)
 
-Also read: an event stream written by `attach --json FILE --calls` (the
+Also read: an event stream written by `attach -o FILE --calls` (the
 older recording format), which holds the calls but none of the other
 inputs: its replay reproduces the engine's events only.
 """
@@ -250,7 +250,7 @@ class Recording:
         raise GreyhoundError(f"{self.path}: unknown input {kind!r}")
 
     def _legacy(self) -> Iterator:
-        """An `attach --json FILE --calls` event stream: its calls, in file
+        """An `attach -o FILE --calls` event stream: its calls, in file
         order, LEGACY_CHUNK at a time; each process once as a target."""
         known: set[int] = set()
         chunk: list[dict] = []
@@ -285,7 +285,7 @@ class Recording:
             yield self._legacy_calls(chunk)
         if seen == 0:
             raise GreyhoundError(f"{self.path} holds no call events: record with "
-                                 "`attach --record FILE` (or `attach --json FILE --calls`)")
+                                 "`attach --record FILE` (or `attach -o FILE --calls`)")
 
     def _legacy_calls(self, calls: list[dict]) -> Calls:
         recs = np.zeros(len(calls), dtype=CALL_DTYPE)

@@ -5,7 +5,7 @@ A recording made with `attach --record FILE` holds every input of the live
 run's analysis, in order: the replay gives the live run's events exactly
 (diagnoses, validation requests and actions included), and a change to a
 rule is judged by replaying recorded runs (scripts/bench_scenarios). An
-event stream made with `attach --json FILE --calls` (the older format)
+event stream made with `attach -o FILE --calls` (the older format)
 holds only the calls: its replay gives the engine's events.
 """
 from __future__ import annotations

@@ -86,7 +86,7 @@ _banner_gone = False
 def _quiet_highs() -> None:
     """HiGHS 1.16 prints a banner on stdout when a process makes its first
     solver, whatever its options; greyhound's stdout may be JSON lines
-    (`replay`, `attach --json -`). The first one is made here, with the
+    (`replay`, `attach -j`). The first one is made here, with the
     process's stdout pointed at /dev/null; later ones say nothing."""
     global _banner_gone
     if _banner_gone:

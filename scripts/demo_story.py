@@ -182,7 +182,7 @@ def main(argv=None) -> int:
             say(f"the job did not start; see {work}")
             return 1
         cmd = [str(BIN / "greyhound-trace"), "attach", str(job.pid), "--mitigate",
-               "--control-file", str(work / "ctl.json"), "--json", str(work / "events.jsonl")]
+               "--control-file", str(work / "ctl.json"), "-o", str(work / "events.jsonl")]
         if args.headless:
             cmd += ["--no-tui", "-q"]
         say(f"sudo {' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}")

@@ -2,7 +2,7 @@
 """Record the gloo DDP trace kept as a test fixture (tests/fixtures/).
 
 A 2-rank DDP job (scripts/demo_train.py) under torchrun, traced by
-`greyhound-trace attach --json --calls`. After --slow-after iterations,
+`greyhound-trace attach -o FILE --calls`. After --slow-after iterations,
 rank 1 gets half a CPU through a cgroup CPU quota (greyhound_bpf.inject);
 the job runs --steps iterations in all. The trainer's own per-iteration log
 is saved beside the trace as the ground truth (OUT.truth.jsonl), and the
@@ -51,7 +51,7 @@ def main() -> int:
                            env=dict(os.environ, OMP_NUM_THREADS="1"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tracer = subprocess.Popen([str(bin_ / "greyhound-trace"), "attach", str(job.pid), "--calls",
-                               "--json", str(trace), "-q"], stdout=subprocess.DEVNULL,
+                               "-o", str(trace), "-q"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         rank1 = None

@@ -139,7 +139,7 @@ def record(sc: dict, out_dir: Path, work: Path) -> dict:
         if before:
             time.sleep(-min(f.spec["at_s"] for f in before))
         cmd = [*GREYHOUND, "attach", *map(str, roots), "--record", str(rec),
-               "--json", str(events), "-q"]
+               "-o", str(events), "-q"]
         if ctl is not None:
             cmd += ["--control-file", str(ctl)]
         log = open(work / "tracer.out", "w")

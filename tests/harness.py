@@ -234,7 +234,7 @@ class Tracer:
     def __init__(self, work: Path, pids: list[int], *extra: str, name: str = "events"):
         self.json = Path(work) / f"{name}.jsonl"
         self.out = open(Path(work) / f"{name}.out", "w+")
-        cmd = [*GREYHOUND, "attach", *map(str, pids), "--json", str(self.json), *extra]
+        cmd = [*GREYHOUND, "attach", *map(str, pids), "-o", str(self.json), *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=ROOT)
         self._tail = JsonlTail(self.json)

@@ -48,7 +48,7 @@ def test_target_without_the_libraries():
 def test_wait_for_a_target_that_never_loads_them_stops_at_duration(tmp_path):
     p = subprocess.Popen(["sleep", "60"])
     try:
-        out = run("attach", str(p.pid), "--wait", "--duration", "2", "--json", str(tmp_path / "e"))
+        out = run("attach", str(p.pid), "--wait", "--duration", "2", "-o", str(tmp_path / "e"))
         assert out.returncode == 0, out.stderr
         assert "waiting for ranks" in out.stderr
     finally:
@@ -112,3 +112,21 @@ def test_help_has_examples():
     assert out.returncode == 0
     assert "examples:" in out.stdout and "sudo greyhound-trace attach 4242" in out.stdout
     assert max(len(line) for line in out.stdout.splitlines()) <= 80
+
+
+def test_json_is_a_switch_and_never_takes_a_pid():
+    """`attach -j 4242 4243` (bcc tools' habit) traces both PIDs on stdout;
+    a file is `-o FILE`; `-p PID` is bcc's spelling of a target."""
+    from greyhound_bpf.cli import _json_target, build_parser
+    p = build_parser()
+    a = p.parse_args(["attach", "-j", "4242", "4243"])
+    assert (a.pids, a.json, _json_target(a)) == ([4242, 4243], True, "-")
+    a = p.parse_args(["attach", "-p", "4242", "-o", "ev.jsonl", "4243", "-p", "4244"])
+    assert (a.pids, a.more_pids, _json_target(a)) == ([4243], [4242, 4244], "ev.jsonl")
+    for cmd in (["validate", "-j", "4242"], ["replay", "-j", "run.rec.gz"]):
+        a = p.parse_args(cmd)
+        assert a.json is True and a.output is None, cmd
+
+
+def test_attach_without_a_pid():
+    one_line_error(run("attach", "-j"), 2, "give the PID of a rank or of its launcher")

@@ -111,7 +111,7 @@ def test_live_view_in_tmux(ddp_job, tmp_path):
     session = f"gh{job.proc.pid}"
     rc = tmp_path / "rc"
     events = tmp_path / "events.jsonl"
-    cmd = (f"{sys.executable} -m greyhound_bpf.cli attach {job.proc.pid} --json {events}; "
+    cmd = (f"{sys.executable} -m greyhound_bpf.cli attach {job.proc.pid} -o {events}; "
            f"echo $? > {rc}; sleep 60")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "40",
                     "-c", str(ROOT), cmd], check=True)

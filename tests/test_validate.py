@@ -114,7 +114,7 @@ def _cmdline(pid: int) -> list[str]:
 @pytest.mark.slow
 def test_precheck_table_and_event(tmp_path):
     out = tmp_path / "v.jsonl"
-    r = run_cli("validate", "--world", "4", "--json", str(out), timeout=180)
+    r = run_cli("validate", "--world", "4", "-o", str(out), timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr          # a healthy host: nothing slow
     for what in ("devices (GEMM)", "links (p2p", "0<->1", "1<->2", "2<->3", "0<->3",
                  "verdict: unknown"):
@@ -147,7 +147,7 @@ def test_cpu_quota_straggler_is_measured(ddp_job, tmp_path):
              if rank_identity(p)[0] is not None}
     out = tmp_path / "v.jsonl"
     with CpuQuota(ranks[2], 0.5):
-        r = run_cli("validate", str(job.proc.pid), "--json", str(out), timeout=180)
+        r = run_cli("validate", str(job.proc.pid), "-o", str(out), timeout=180)
     assert r.returncode == 3, r.stdout + r.stderr
     (ev,) = read_events(out)
     assert (ev["cause"], ev["ranks"], ev["evidence"]) == ("computation", [2], "validation")
@@ -210,7 +210,7 @@ def test_rate_limited_link_is_named(tmp_path):
                                "--hidden", "256", "--layers", "2", port=29733)
         wait_for(lambda: len(read_events(truth)) >= 20, 120, "the job to train")
         with LinkRate(bed.host_dev(1), "400mbit"):
-            r = run_cli("validate", *map(str, pids), "--json", str(out), timeout=180)
+            r = run_cli("validate", *map(str, pids), "-o", str(out), timeout=180)
         assert r.returncode == 3, r.stdout + r.stderr
         (ev,) = read_events(out)
         assert (ev["cause"], ev["link"], ev["ranks"]) == ("communication", "rank 1", [1])
@@ -260,7 +260,7 @@ def test_a_healthy_job_under_attach_and_validate(ddp_job, tracer, tmp_path):
     for i in range(2):
         time.sleep(max(0.0, t0 + 30 + 35 * i - time.monotonic()))
         out = tmp_path / f"v{i}.jsonl"
-        r = run_cli("validate", str(job.proc.pid), "--json", str(out), timeout=180)
+        r = run_cli("validate", str(job.proc.pid), "-o", str(out), timeout=180)
         runs.append((r, read_events(out)))
     time.sleep(max(0.0, t0 + 100 - time.monotonic()))
     assert job.proc.poll() is None

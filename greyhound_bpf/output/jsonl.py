@@ -1,4 +1,4 @@
-"""JSON-lines output of the event stream (`--json`)."""
+"""JSON-lines output of the event stream (`-j`, `-o FILE`)."""
 from __future__ import annotations
 
 import json

@@ -52,7 +52,7 @@ def one_run(work: Path, attach: bool, args) -> dict:
         t0 = time.time_ns()
         if attach:
             events = work / "events.jsonl"
-            tracer = subprocess.Popen([*GREYHOUND, "attach", str(job.pid), "--json", str(events),
+            tracer = subprocess.Popen([*GREYHOUND, "attach", str(job.pid), "-o", str(events),
                                        "-q"], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, cwd=ROOT)
             tail = JsonlTail(events)

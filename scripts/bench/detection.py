@@ -144,7 +144,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--healthy", type=int, default=10_000)
-    ap.add_argument("--trace", help="a recording (attach --json --calls) of a real job")
+    ap.add_argument("--trace", help="a recording (attach -o FILE --calls) of a real job")
     ap.add_argument("--truth", help="that job's own per-iteration log")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()

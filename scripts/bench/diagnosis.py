@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         # minutes) would defer most validations, and this bench measures
         # the verdicts (bench_soak measures the budget on a healthy job).
         tracer = subprocess.Popen([str(BIN / "greyhound-trace"), "attach", *map(str, pids),
-                                   "--json", str(events_path), "-q", "--pause-budget", "1"],
+                                   "-o", str(events_path), "-q", "--pause-budget", "1"],
                                   stdout=log, stderr=subprocess.STDOUT)
         ev = JsonlTail(events_path)
         try:

@@ -78,7 +78,7 @@ def one_run(work: Path, mitigate: bool, args) -> dict:
                 except OSError:
                     pass
         job.trained(40, 180)
-        cmd = [*GREYHOUND, "attach", str(job.pid), "--control-file", str(ctl), "--json",
+        cmd = [*GREYHOUND, "attach", str(job.pid), "--control-file", str(ctl), "-o",
                str(events), "-q"] + (["--mitigate"] if mitigate else [])
         tracer = subprocess.Popen(cmd, stdout=open(work / "tracer.out", "w"),
                                   stderr=subprocess.STDOUT, cwd=ROOT)

@@ -148,7 +148,7 @@ def ddp_run(tmp: Path, traced: bool, steps: int, warmup: int) -> float:
     events.unlink(missing_ok=True)
     if traced:
         tracer = subprocess.Popen([str(bin_ / "greyhound-trace"), "attach", str(job.pid), "-q",
-                                   "--json", str(events)],
+                                   "-o", str(events)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     # Same start condition both ways: all 4 ranks up (and attached, if traced).

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     try:
         job.ranks(args.nproc)
         job.trained(40, 180)
-        cmd = [*GREYHOUND, "attach", str(job.pid), "--json", str(events), "-q",
+        cmd = [*GREYHOUND, "attach", str(job.pid), "-o", str(events), "-q",
                "--record", str(work / "soak.rec.gz")]
         if args.trainer == "demo":
             cmd += ["--control-file", str(ctl)]
