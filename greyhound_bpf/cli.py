@@ -14,7 +14,7 @@ EPILOG_ATTACH = """\
 examples:
   sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
   sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
-  sudo greyhound-trace attach -p 4242 -p 4243   # ranks directly (bcc's spelling)
+  sudo greyhound-trace attach -p 4242 -p 4243   # ranks directly (as bcc tools)
   sudo greyhound-trace attach 4242 -o ev.jsonl --calls --duration 60
   sudo greyhound-trace attach 4242 --record run.rec.gz   # replay it later
   sudo greyhound-trace attach 4242 -j | jq 'select(.kind=="lost")'
