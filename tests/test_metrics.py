@@ -24,15 +24,17 @@ def scrape(port):
 
 def flags(events):
     """What the straggler and slowdown gauges must read after these events:
-    the latest slowdown/recovery per rank, and for the job."""
+    the ranks the latest computation verdict names, until the job recovers;
+    the job's latest slowdown or recovery. (A rank's own slowdown is not a
+    straggler: every DDP rank slows with the slowest.)"""
     ranks, job = {}, 0
     for e in events:
-        if e["kind"] in ("slowdown", "recovery"):
-            v = 1 if e["kind"] == "slowdown" else 0
-            if e.get("scope") == "job":
-                job = v
-            elif e.get("rank") is not None:
-                ranks[str(e["rank"])] = v
+        if e["kind"] in ("slowdown", "recovery") and e.get("scope") == "job":
+            job = 1 if e["kind"] == "slowdown" else 0
+            if e["kind"] == "recovery":
+                ranks = {}
+        elif e["kind"] == "diagnosis" and e["cause"] == "computation":
+            ranks = {str(r): 1 for r in e["ranks"]}
     return ranks, job
 
 

@@ -3,10 +3,19 @@ prometheus-client on loopback by default. Fed by the same events as every
 other consumer, plus per-call counts from the tracer's batches.
 
     greyhound_iteration_seconds{rank}      last iteration time of each rank
-    greyhound_calls_total{rank,fn}         probed calls
+    greyhound_calls_total{rank,fn}         probed calls (rank empty, i.e. absent,
+                                           for a process of no known rank)
     greyhound_lost_records_total           records the ring buffer dropped
-    greyhound_slowdown_active              1 while the job is slowed down
-    greyhound_straggler{rank}              1 while that rank is slowed down
+    greyhound_slowdown_active              1 while the job is slowed down (its
+                                           detector's state: a slowdown not yet
+                                           followed by a recovery)
+    greyhound_straggler{rank}              1 while a verdict names that rank's
+                                           computation, until the job recovers
+                                           or a later verdict names another
+
+State gauges say what is true now. In DDP every rank slows with the
+slowest (they wait for it in collectives), so a rank's own slowdown is
+not a straggler: only a diagnosis names one.
     greyhound_plan_seq                     seq of the last plan written
     greyhound_actions_total{strategy,mode} decisions of the policy
 """
@@ -28,8 +37,10 @@ class Metrics:
                             registry=r)
         self.slow = Gauge("greyhound_slowdown_active", "1 while the job is slowed down",
                           registry=r)
-        self.straggler = Gauge("greyhound_straggler", "1 while a rank is slowed down", ["rank"],
-                               registry=r)
+        self.straggler = Gauge("greyhound_straggler",
+                               "1 while a verdict names this rank's computation as the cause",
+                               ["rank"], registry=r)
+        self.named: set[str] = set()
         self.plan_seq = Gauge("greyhound_plan_seq", "seq of the last plan written", registry=r)
         self.actions = Counter("greyhound_actions", "Policy decisions", ["strategy", "mode"],
                                registry=r)
@@ -40,6 +51,13 @@ class Metrics:
                                  exit_code=1) from None
         self.port = self.server.server_port
 
+    def _name_stragglers(self, ranks: set[str]) -> None:
+        for r in self.named - ranks:
+            self.straggler.labels(rank=r).set(0)
+        for r in ranks:
+            self.straggler.labels(rank=r).set(1)
+        self.named = ranks
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -48,7 +66,8 @@ class Metrics:
         """`groups`: (pid, function id, calls) as CallStats.add returns them."""
         for pid, fn, n in groups:
             rank = rank_of.get(pid)
-            self.calls.labels(rank="-" if rank is None else str(rank), fn=names[fn]).inc(n)
+            # An empty label value is no label to Prometheus.
+            self.calls.labels(rank="" if rank is None else str(rank), fn=names[fn]).inc(n)
 
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
@@ -57,12 +76,12 @@ class Metrics:
                 return
             self.iteration.labels(rank=str(ev["rank"])).set(ev["dur_ns"] / 1e9)
             self.straggler.labels(rank=str(ev["rank"]))      # every rank appears, at 0
-        elif kind in ("slowdown", "recovery"):
-            v = 1 if kind == "slowdown" else 0
-            if ev.get("scope") == "job":
-                self.slow.set(v)
-            elif ev.get("rank") is not None:
-                self.straggler.labels(rank=str(ev["rank"])).set(v)
+        elif kind in ("slowdown", "recovery") and ev.get("scope") == "job":
+            self.slow.set(1 if kind == "slowdown" else 0)
+            if kind == "recovery":
+                self._name_stragglers(set())
+        elif kind == "diagnosis" and ev.get("cause") == "computation":
+            self._name_stragglers({str(r) for r in ev.get("ranks", [])})
         elif kind == "lost":
             self.lost.inc(ev["count"])
         elif kind == "action" and ev.get("phase") != "outcome":
