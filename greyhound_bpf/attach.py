@@ -80,6 +80,7 @@ class AttachOptions:
     validate: bool = True           # benchmark devices and links after a job slowdown
     pause_max_s: float = PAUSE_MAX_S
     pause_budget: float = PAUSE_BUDGET
+    timestamps: bool = False        # -T: wall-clock time on every text line
 
 
 class AttachSession:
@@ -164,13 +165,19 @@ class AttachSession:
         if self.live is not None:
             self.tui_state.note(msg)          # the live view's event log
             return
-        print(f"greyhound-trace: {msg}", file=self.err, flush=True)
+        print(self._stamp(f"greyhound-trace: {msg}"), file=self.err, flush=True)
+
+    def _stamp(self, text: str) -> str:
+        if not self.opts.timestamps:
+            return text
+        now = time.strftime("%H:%M:%S")
+        return "\n".join(f"{now} {line}" for line in text.split("\n"))
 
     def tell(self, line: str) -> None:
         """An analysis event's line for the text output (the live view logs
         the events themselves)."""
         if self.live is None:
-            print(line, file=self.text_out, flush=True)
+            print(self._stamp(line), file=self.text_out, flush=True)
 
     # -- the analysis --------------------------------------------------------
 
@@ -318,8 +325,8 @@ class AttachSession:
                 next_view = now + VIEW_S
             if (next_summary and now >= next_summary and not self.stop_reason
                     and self.live is None):
-                print(self.stats.format_interval(self.analysis.rank_view), file=self.text_out,
-                      flush=True)
+                print(self._stamp(self.stats.format_interval(self.analysis.rank_view)),
+                      file=self.text_out, flush=True)
                 summaries += 1
                 next_summary += self.opts.interval
                 if self.opts.count and summaries >= self.opts.count:

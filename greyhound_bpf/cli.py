@@ -13,7 +13,7 @@ from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 EPILOG_ATTACH = """\
 examples:
   sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
-  sudo greyhound-trace attach 4242 -i 5         # summary every 5 s
+  sudo greyhound-trace attach 4242 -T -i 5      # timestamped, every 5 s
   sudo greyhound-trace attach -p 4242 -p 4243   # ranks directly (as bcc tools)
   sudo greyhound-trace attach 4242 -o ev.jsonl --calls --duration 60
   sudo greyhound-trace attach 4242 --record run.rec.gz   # replay it later
@@ -21,6 +21,7 @@ examples:
   sudo greyhound-trace attach --wait $(pgrep -f train.sh)  # ranks start later
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json --mitigate
+  sudo greyhound-trace attach 4242 --metrics 9400   # Prometheus, loopback
 
 exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
@@ -63,6 +64,19 @@ examples:
   greyhound-trace check                # can this machine trace?
   sudo greyhound-trace check --pid 4242   # ...and what does PID 4242 map?
 """
+
+
+def _listen(text: str) -> tuple[str, int]:
+    """`[ADDR:]PORT` -> (addr, port); an IPv6 address goes in brackets."""
+    addr, sep, port = text.rpartition(":")
+    addr = addr.strip("[]") if sep else ""
+    try:
+        p = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not [ADDR:]PORT: {text!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
+    return addr or "127.0.0.1", p
 
 
 def _pid(text: str) -> int:
@@ -136,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--count-launches", action="store_true",
                    help="count cudaLaunchKernel per process, in the kernel")
     a.add_argument("-q", "--quiet", action="store_true", help="no interval summaries")
+    a.add_argument("-T", "--timestamp", action="store_true",
+                   help="print the wall-clock time (HH:MM:SS) on every text line")
     a.add_argument("--no-tui", action="store_true",
                    help="plain text lines even on a terminal (the live view is the default "
                         "when stdout is a terminal and -j is not given)")
@@ -147,10 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--min-probability", type=_probability, default=MIN_PROBABILITY, metavar="P",
                    help=f"change probability a slowdown needs (default {MIN_PROBABILITY:g})")
 
+    a.add_argument("--metrics", type=_listen, metavar="[ADDR:]PORT",
+                   help="serve Prometheus metrics on ADDR:PORT (default address loopback; "
+                        "PORT 0: any free port), as the exporters spell it")
+    # The spelling before --metrics, kept for one release.
     a.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)")
-    a.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
-                   help="address for --metrics-port (default loopback)")
+                   help="deprecated: --metrics PORT")
+    a.add_argument("--metrics-addr", metavar="ADDR", help="deprecated: --metrics ADDR:PORT")
 
     a.add_argument("--no-validate", action="store_true",
                    help="after a job slowdown, do not benchmark the devices and links "
@@ -267,6 +286,9 @@ def cmd_attach(args) -> int:
     if not pids:
         raise GreyhoundError("give the PID of a rank or of its launcher (PID or -p PID)")
     out = _json_target(args)
+    addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)
+    if args.metrics_addr and args.metrics_port is None and not args.metrics:
+        raise GreyhoundError("--metrics-addr needs a port: --metrics ADDR:PORT")
     opts = AttachOptions(
         pids=pids, json_path=out, record_path=args.record, calls=args.calls,
         duration=args.duration,
@@ -275,8 +297,8 @@ def cmd_attach(args) -> int:
         count_launches=args.count_launches, job=args.job, threshold=args.threshold,
         min_probability=args.min_probability, control_file=args.control_file,
         mitigate=args.mitigate, microbatches=args.microbatches,
-        restart_estimate_s=args.restart_cost, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr, validate=not args.no_validate,
+        restart_estimate_s=args.restart_cost, metrics_port=port, metrics_addr=addr,
+        timestamps=args.timestamp, validate=not args.no_validate,
         pause_max_s=args.pause_max, pause_budget=args.pause_budget,
         tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:

@@ -126,3 +126,27 @@ def test_json_is_a_switch_and_never_takes_a_pid():
     for cmd in (["validate", "-j", "4242"], ["replay", "-j", "run.rec.gz"]):
         a = p.parse_args(cmd)
         assert a.json is True and a.output is None, cmd
+
+
+@pytest.mark.parametrize("spec, want", [("9400", ("127.0.0.1", 9400)),
+                                        (":9400", ("127.0.0.1", 9400)),
+                                        ("0.0.0.0:9400", ("0.0.0.0", 9400)),
+                                        ("[::1]:0", ("::1", 0))])
+def test_metrics_listen_address(spec, want):
+    from greyhound_bpf.cli import build_parser
+    assert build_parser().parse_args(["attach", "1", "--metrics", spec]).metrics == want
+
+
+@pytest.mark.parametrize("spec", ["x", "127.0.0.1:", "1:70000"])
+def test_bad_metrics_address(spec):
+    out = run("attach", "1", "--metrics", spec)
+    assert out.returncode == 2 and "--metrics" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_timestamps_on_every_text_line():
+    import re
+    from greyhound_bpf.attach import AttachOptions, AttachSession
+    s = AttachSession(AttachOptions(pids=[1], timestamps=True))
+    lines = s._stamp("rank 0 ...\nrank 1 ...").splitlines()
+    assert len(lines) == 2 and all(re.match(r"\d\d:\d\d:\d\d rank \d", x) for x in lines)
+    assert AttachSession(AttachOptions(pids=[1]))._stamp("x") == "x"

@@ -42,7 +42,7 @@ def test_scrape_while_attached(ddp_job, tracer):
     job = ddp_job(2, 0, go=False)
     wait_for(lambda: len(job.truth_records()) >= 2, 90, "the job to start")
     port = free_port()
-    t = tracer([job.proc.pid], "-q", "--metrics-port", str(port))
+    t = tracer([job.proc.pid], "-q", "--metrics", f"127.0.0.1:{port}")
     t.wait_attached(2)
 
     def ready():

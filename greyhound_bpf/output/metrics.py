@@ -47,7 +47,7 @@ class Metrics:
         try:
             self.server, self.thread = start_http_server(port, addr=addr, registry=r)
         except OSError as e:
-            raise GreyhoundError(f"--metrics-port {port}: cannot listen on {addr}:{port} ({e})",
+            raise GreyhoundError(f"--metrics {addr}:{port}: cannot listen there ({e})",
                                  exit_code=1) from None
         self.port = self.server.server_port
 
