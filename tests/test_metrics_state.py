@@ -29,7 +29,7 @@ def test_a_healthy_job_has_no_straggler_and_no_slowdown(metrics):
     for ev in ({"kind": "slowdown", "scope": "rank", "rank": 0},
                {"kind": "slowdown", "scope": "rank", "rank": 1},
                {"kind": "slowdown", "scope": "job", "rank": None},
-               {"kind": "diagnosis", "cause": "unknown", "ranks": []}):
+               {"kind": "diagnosis", "cause": "unknown", "evidence": "passive", "ranks": []}):
         metrics(ev)
     assert value(metrics, "greyhound_straggler", rank="0") == 0
     assert value(metrics, "greyhound_straggler", rank="1") == 0
@@ -42,10 +42,12 @@ def test_the_named_straggler_until_the_job_recovers(metrics):
     metrics(it(0, 0))
     metrics(it(1, 0))
     metrics({"kind": "slowdown", "scope": "job", "rank": None})
-    metrics({"kind": "diagnosis", "cause": "computation", "ranks": [1]})
+    metrics({"kind": "diagnosis", "cause": "computation", "evidence": "passive",
+             "ranks": [1]})
     assert value(metrics, "greyhound_straggler", rank="1") == 1
     assert value(metrics, "greyhound_straggler", rank="0") == 0
-    metrics({"kind": "diagnosis", "cause": "computation", "ranks": [0]})   # it moved
+    metrics({"kind": "diagnosis", "cause": "computation", "evidence": "passive",
+             "ranks": [0]})                                          # it moved
     assert (value(metrics, "greyhound_straggler", rank="0"),
             value(metrics, "greyhound_straggler", rank="1")) == (1, 0)
     metrics({"kind": "recovery", "scope": "job", "rank": None})
@@ -56,3 +58,35 @@ def test_calls_of_no_known_rank_carry_no_rank_label(metrics):
     metrics.count_calls([(4242, 0, 5)], {4242: None}, ["gloo::allreduce"])
     # An empty label value is the same as no label to Prometheus.
     assert value(metrics, "greyhound_calls_total", rank="", fn="gloo::allreduce") == 5
+
+
+def test_what_a_dashboard_joins_and_rates(metrics):
+    from greyhound_bpf import __version__
+    assert value(metrics, "greyhound_build_info", version=__version__) == 1
+    metrics({"kind": "attach", "ranks": [{"pid": 11, "rank": 0, "local_rank": 0},
+                                         {"pid": 12, "rank": 1, "local_rank": None}]})
+    assert value(metrics, "greyhound_rank_info", rank="0", local_rank="0", pid="11",
+                 node=metrics.node) == 1
+    assert value(metrics, "greyhound_rank_info", rank="1", local_rank="", pid="12",
+                 node=metrics.node) == 1
+    for i, ms in enumerate((20, 40, 3000)):
+        metrics({"kind": "iteration", "rank": 0, "index": i, "dur_ns": ms * 1_000_000})
+    # A disturbed iteration (ours) is no sample of the job's speed.
+    metrics({"kind": "iteration", "rank": 0, "index": 3, "dur_ns": 10**9, "disturbed": True})
+    assert value(metrics, "greyhound_iterations_total", rank="0") == 3
+    assert value(metrics, "greyhound_iteration_duration_seconds_count", rank="0") == 3
+    assert value(metrics, "greyhound_iteration_duration_seconds_bucket", rank="0",
+                 le="0.05") == 2
+    metrics({"kind": "diagnosis", "cause": "computation", "evidence": "validation",
+             "ranks": [0]})
+    metrics({"kind": "diagnosis", "cause": "unknown", "evidence": "passive", "ranks": []})
+    assert value(metrics, "greyhound_diagnoses_total", cause="computation",
+                 evidence="validation") == 1
+    metrics({"kind": "activity", "what": "pause", "id": "p1", "start_ns": 0, "end_ns": None})
+    metrics({"kind": "activity", "what": "pause", "id": "p1", "start_ns": 0,
+             "end_ns": 2_500_000_000})
+    assert value(metrics, "greyhound_validation_pause_seconds_total") == 2.5
+    metrics({"kind": "action", "strategy": "rebalance_microbatches", "mode": "mitigate",
+             "seq": 3, "plan": {"microbatches": {"0": 6, "1": 10}}})
+    assert (value(metrics, "greyhound_plan_seq"),
+            value(metrics, "greyhound_plan_microbatches", dp_rank="0")) == (3, 6)

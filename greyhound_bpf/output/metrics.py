@@ -1,29 +1,42 @@
-"""Prometheus metrics (`attach --metrics-port PORT`), served with
+"""Prometheus metrics (`attach --metrics [ADDR:]PORT`), served with
 prometheus-client on loopback by default. Fed by the same events as every
 other consumer, plus per-call counts from the tracer's batches.
 
-    greyhound_iteration_seconds{rank}      last iteration time of each rank
-    greyhound_calls_total{rank,fn}         probed calls (rank empty, i.e. absent,
-                                           for a process of no known rank)
-    greyhound_lost_records_total           records the ring buffer dropped
-    greyhound_slowdown_active              1 while the job is slowed down (its
-                                           detector's state: a slowdown not yet
-                                           followed by a recovery)
-    greyhound_straggler{rank}              1 while a verdict names that rank's
-                                           computation, until the job recovers
-                                           or a later verdict names another
+    greyhound_build_info{version}               1
+    greyhound_rank_info{rank,local_rank,pid,node}  1 per rank attached (join
+                                                with DCGM's Hostname on node)
+    greyhound_iteration_seconds{rank}           last iteration time of a rank
+    greyhound_iteration_duration_seconds{rank}  histogram of iteration times
+    greyhound_iterations_total{rank}            iterations (rate(): per second)
+    greyhound_calls_total{rank,fn}              probed calls (rank empty, i.e.
+                                                absent, for no known rank)
+    greyhound_lost_records_total                records the ring buffer dropped
+    greyhound_slowdown_active                   1 while the job is slowed down
+                                                (a slowdown not yet followed by
+                                                a recovery)
+    greyhound_straggler{rank}                   1 while a verdict names that
+                                                rank's computation, until the
+                                                job recovers or a later verdict
+                                                names another
+    greyhound_diagnoses_total{cause,evidence}   verdicts
+    greyhound_validation_pause_seconds_total    time the job was paused
+    greyhound_plan_seq                          seq of the last plan written
+    greyhound_plan_microbatches{dp_rank}        the split of the plan written
+                                                last (mitigate mode)
+    greyhound_actions_total{strategy,mode}      decisions of the policy
 
 State gauges say what is true now. In DDP every rank slows with the
-slowest (they wait for it in collectives), so a rank's own slowdown is
-not a straggler: only a diagnosis names one.
-    greyhound_plan_seq                     seq of the last plan written
-    greyhound_actions_total{strategy,mode} decisions of the policy
+slowest (they wait for it in collectives), so a rank's own slowdown is not
+a straggler: only a diagnosis names one. No label is called `job`
+(Prometheus renames it on scrape).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import socket
 
-from .. import GreyhoundError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .. import GreyhoundError, __version__
 from ..events import is_speed_sample
 
 
@@ -32,6 +45,23 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.iteration = Gauge("greyhound_iteration_seconds", "Last iteration time of a rank",
                                ["rank"], registry=r)
+        self.durations = Histogram(
+            "greyhound_iteration_duration_seconds", "Iteration times of a rank", ["rank"],
+            buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
+        self.iterations = Counter("greyhound_iterations", "Iterations of a rank", ["rank"],
+                                  registry=r)
+        Gauge("greyhound_build_info", "Greyhound's version", ["version"],
+              registry=r).labels(version=__version__).set(1)
+        self.rank_info = Gauge("greyhound_rank_info", "A rank attached",
+                               ["rank", "local_rank", "pid", "node"], registry=r)
+        self.node = socket.gethostname()
+        self.diagnoses = Counter("greyhound_diagnoses", "Verdicts", ["cause", "evidence"],
+                                 registry=r)
+        self.paused = Counter("greyhound_validation_pause_seconds",
+                              "Time validation kept the job paused", registry=r)
+        self.plan_split = Gauge("greyhound_plan_microbatches",
+                                "Micro-batches per data-parallel rank in the plan written last",
+                                ["dp_rank"], registry=r)
         self.calls = Counter("greyhound_calls", "Probed calls", ["rank", "fn"], registry=r)
         self.lost = Counter("greyhound_lost_records", "Records dropped by the ring buffer",
                             registry=r)
@@ -66,25 +96,43 @@ class Metrics:
         """`groups`: (pid, function id, calls) as CallStats.add returns them."""
         for pid, fn, n in groups:
             rank = rank_of.get(pid)
-            # An empty label value is no label to Prometheus.
-            self.calls.labels(rank="" if rank is None else str(rank), fn=names[fn]).inc(n)
+            self.calls.labels(rank=_label(rank), fn=names[fn]).inc(n)
 
     def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "iteration":
             if not is_speed_sample(ev):
                 return
-            self.iteration.labels(rank=str(ev["rank"])).set(ev["dur_ns"] / 1e9)
-            self.straggler.labels(rank=str(ev["rank"]))      # every rank appears, at 0
+            rank = str(ev["rank"])
+            self.iteration.labels(rank=rank).set(ev["dur_ns"] / 1e9)
+            self.durations.labels(rank=rank).observe(ev["dur_ns"] / 1e9)
+            self.iterations.labels(rank=rank).inc()
+            self.straggler.labels(rank=rank)                 # every rank appears, at 0
         elif kind in ("slowdown", "recovery") and ev.get("scope") == "job":
             self.slow.set(1 if kind == "slowdown" else 0)
             if kind == "recovery":
                 self._name_stragglers(set())
-        elif kind == "diagnosis" and ev.get("cause") == "computation":
-            self._name_stragglers({str(r) for r in ev.get("ranks", [])})
+        elif kind == "diagnosis":
+            self.diagnoses.labels(cause=ev["cause"], evidence=ev["evidence"]).inc()
+            if ev["cause"] == "computation":
+                self._name_stragglers({str(r) for r in ev.get("ranks", [])})
+        elif kind == "attach":
+            for t in ev.get("ranks", []):
+                self.rank_info.labels(rank=_label(t.get("rank")),
+                                      local_rank=_label(t.get("local_rank")),
+                                      pid=str(t["pid"]), node=self.node).set(1)
+        elif kind == "activity" and ev.get("what") == "pause" and ev.get("end_ns"):
+            self.paused.inc(max(0, ev["end_ns"] - ev["start_ns"]) / 1e9)
         elif kind == "lost":
             self.lost.inc(ev["count"])
         elif kind == "action" and ev.get("phase") != "outcome":
             self.actions.labels(strategy=ev["strategy"], mode=ev["mode"]).inc()
             if ev.get("seq") is not None:
                 self.plan_seq.set(ev["seq"])
+                for r, n in (ev.get("plan") or {}).get("microbatches", {}).items():
+                    self.plan_split.labels(dp_rank=str(r)).set(n)
+
+
+def _label(v) -> str:
+    """A label's value; empty (no label, to Prometheus) when unknown."""
+    return "" if v is None else str(v)
