@@ -174,6 +174,7 @@ class Recording:
 
     def __init__(self, path: str, catalog: Catalog):
         self.path, self.catalog = path, catalog
+        self.lineno = 1                    # of the input last given (replay's errors)
         it = _lines(path)
         try:
             lineno, first = next(it)
@@ -207,11 +208,13 @@ class Recording:
         it = _lines(self.path)
         next(it)                           # the header
         for lineno, d in it:
+            self.lineno = lineno
             try:
                 yield self._decode(d)
             except GreyhoundError:
                 raise
-            except (KeyError, TypeError, ValueError, IndexError) as e:
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError,
+                    AttributeError) as e:
                 raise GreyhoundError(f"{self.path}:{lineno}: malformed "
                                      f"{d.get('in', 'input')!r} input ({type(e).__name__}: {e})"
                                      ) from None
@@ -234,7 +237,10 @@ class Recording:
                 recs["args"][:, int(slot)] = np.asarray(vals, dtype=np.uint64)
             return Calls(t, recs)
         if kind == "targets":
-            return Targets(t, tuple(d.get("added", ())), tuple(d.get("exited", ())),
+            added = tuple(d.get("added", ()))
+            if not all(isinstance(a, dict) and type(a.get("pid")) is int for a in added):
+                raise ValueError("a target without an integer pid")
+            return Targets(t, added, tuple(int(p) for p in d.get("exited", ())),
                            d.get("begin"))
         if kind == "activity":
             return Activity(t, str(d["id"]), str(d["what"]), int(d["start"]), d.get("end"))
@@ -247,7 +253,7 @@ class Recording:
             return PlanWritten(t, int(d["seq"]), d.get("error"))
         if kind == "tick":
             return Tick(t)
-        raise GreyhoundError(f"{self.path}: unknown input {kind!r}")
+        raise GreyhoundError(f"{self.path}:{self.lineno}: unknown input {kind!r}")
 
     def _legacy(self) -> Iterator:
         """An `attach -o FILE --calls` event stream: its calls, in file

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from . import GreyhoundError
 from .analysis import Activity, JobAnalysis
 from .probe.catalog import Catalog, load_catalog
 from .recording import Recording
@@ -30,5 +31,11 @@ def replay(path: str, catalog: Catalog | None = None, *, settle_until_ns: int | 
     if settle_until_ns is not None:
         analysis.feed(Activity(0, "replay-settle", "attach", 0, settle_until_ns))
     for inp in rec.inputs():
-        events += analysis.feed(inp)
+        try:
+            events += analysis.feed(inp)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError,
+                OverflowError) as e:
+            # A hostile or hand-edited recording: name the line, never a traceback.
+            raise GreyhoundError(f"{path}:{getattr(rec, 'lineno', '?')}: an input the analysis "
+                                 f"cannot take ({type(e).__name__}: {e})") from None
     return events
