@@ -127,6 +127,7 @@ class AttachSession:
             self.recorder = Recorder(opts.record_path, header(
                 self.job, config, self.catalog, pids=list(opts.pids)), self.catalog)
         self._record_said = False
+        self._writer_said = False
         self._followups: list = []                 # inputs caused by handling events
         self._feeding = False
         self.metrics = None
@@ -158,8 +159,15 @@ class AttachSession:
     def _publish(self, ev: dict) -> None:
         if self.writer:
             self.writer.write(ev)
+            self._writer_check()
         for sink in self.sinks:
             sink(ev)
+
+    def _writer_check(self) -> None:
+        if self.writer.error and not self._writer_said:
+            self._writer_said = True
+            self.say(f"-o {self.opts.json_path}: {self.writer.error}; events are not written "
+                     "from now on (tracing and the view go on; the count is in the summary)")
 
     def say(self, msg: str) -> None:
         if self.live is not None:
@@ -336,6 +344,7 @@ class AttachSession:
             if now >= next_flush:
                 if self.writer:
                     self.writer.flush()
+                    self._writer_check()
                 if self.recorder:
                     self.recorder.flush()
                 next_flush = now + FLUSH_S
@@ -558,6 +567,9 @@ class AttachSession:
         print(f"greyhound-trace: {a.planner.validations} validation(s), job paused "
               f"{a.paused_total_s:.1f} s ({100 * a.paused_total_s / elapsed:.2f}% of "
               f"{elapsed:.0f} s)", file=self.text_out, flush=True)
+        if self.writer is not None and self.writer.dropped:
+            print(f"greyhound-trace: -o {self.opts.json_path}: {self.writer.dropped} event(s) "
+                  f"not written ({self.writer.error})", file=self.text_out, flush=True)
         if self.recorder is not None and self.recorder.dropped:
             print(f"greyhound-trace: --record {self.opts.record_path}: {self.recorder.dropped} "
                   f"input(s) not recorded ({self.recorder.error})", file=self.text_out, flush=True)

@@ -19,32 +19,58 @@ class JsonLinesWriter:
     """Writes one compact JSON object per line and flushes per batch.
 
     ``path`` "-" is standard output. A consumer that goes away (EPIPE) stops
-    the writer rather than the tracer.
+    the writer rather than the tracer. A write that fails (a full disk, an
+    I/O error) stops it too: ``error`` says why, and ``dropped`` counts the
+    events lost (those buffered since the last good flush, and every one
+    after), for the caller to report.
     """
 
     def __init__(self, path: str):
         self.path = path
         self._fh: IO[str] = sys.stdout if path == "-" else open(path, "a", buffering=1 << 16)
         self.closed = False
+        self.error: str | None = None
+        self.dropped = 0
+        self._unflushed = 0
 
     def write(self, event: dict) -> None:
         if self.closed:
+            self.dropped += self.error is not None
             return
         try:
             self._fh.write(json.dumps(event, separators=(",", ":"), default=plain) + "\n")
+            self._unflushed += 1
         except BrokenPipeError:
             self.closed = True
+        except OSError as e:
+            self._fail(e, self._unflushed + 1)
 
     def flush(self) -> None:
         if self.closed:
             return
         try:
             self._fh.flush()
+            self._unflushed = 0
         except BrokenPipeError:
             self.closed = True
+        except OSError as e:
+            self._fail(e, self._unflushed)
+
+    def _fail(self, e: OSError, lost: int) -> None:
+        self.error = e.strerror or str(e)
+        self.dropped += lost
+        self.closed = True
+        if self._fh is not sys.stdout:
+            try:
+                self._fh.close()       # its buffer cannot be written either
+            except OSError:
+                pass
 
     def close(self) -> None:
         self.flush()
-        if self._fh is not sys.stdout:
-            self._fh.close()
+        if self._fh is not sys.stdout and not self._fh.closed:
+            try:
+                self._fh.close()
+            except OSError as e:
+                self._fail(e, self._unflushed)
         self.closed = True
