@@ -114,9 +114,21 @@ class AttachSession:
                 self.control = ControlWriter(opts.control_file)
             except PlanError as e:
                 raise GreyhoundError(f"--control-file: {e}") from None
+        # One writer per control file: a second `attach --mitigate` on the
+        # same job advises only (two policies would undo each other's plans).
+        self._notes: list[str] = []
+        self.plan_lock = None
+        mitigate = opts.mitigate
+        if mitigate:
+            self.plan_lock, holder = plan_writer_lock(opts.control_file)
+            if self.plan_lock is None:
+                mitigate = False
+                self._notes.append(
+                    f"another greyhound-trace{f' (pid {holder})' if holder else ''} writes "
+                    f"plans to {opts.control_file}: advising only")
         config = AnalysisConfig(
             threshold=opts.threshold, min_probability=opts.min_probability,
-            validate=opts.validate, pause_budget=opts.pause_budget, mitigate=opts.mitigate,
+            validate=opts.validate, pause_budget=opts.pause_budget, mitigate=mitigate,
             first_seq=(self.control.seq + 1) if self.control else 1,
             microbatches=opts.microbatches, restart_estimate_s=opts.restart_estimate_s)
         self.analysis = JobAnalysis(self.catalog, self.job, config)
@@ -254,6 +266,8 @@ class AttachSession:
         # kernels' cache, symbol tables): in the background, so that a busy
         # job does not lose them; back in front once the probes are in.
         background = Background().enter()
+        for note in self._notes:
+            self.say(note)
         try:
             if self.opts.metrics_port is not None:
                 from .output.metrics import Metrics
@@ -576,3 +590,28 @@ class AttachSession:
         for pid, n in extra.get("launches", {}).items():
             print(f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)",
                   file=self.text_out, flush=True)
+
+
+def plan_writer_lock(control_file: str):
+    """An exclusive lock on `<control>.lock` for as long as this process
+    lives (the kernel drops it on any exit, kill -9 included): (the open
+    file, None), or (None, the holder's pid if it wrote one)."""
+    import fcntl
+    path = f"{control_file}.lock"
+    try:
+        fh = open(path, "a+")
+    except OSError:
+        # No lock where the plans go: writing them will fail too, and say so.
+        return open(os.devnull), None
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip()
+        fh.close()
+        return None, int(holder) if holder.isdigit() else None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh, None

@@ -49,3 +49,29 @@ def test_a_full_disk_under_json_and_record(ddp_job, tmp_path):
     # Tracing went on to the end: the final summary counts the job's calls.
     assert "gloo::allreduce" in out and "calls traced in" in out
     assert job.proc.poll() is None
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_two_attach_on_one_control_file(ddp_job, tracer, tmp_path):
+    """One writer per control file: the second `attach --mitigate` says so
+    and advises only; once the first is gone, a third one writes."""
+    ctl = tmp_path / "ctl.json"
+    job = ddp_job(2, 0, "--control-file", str(ctl), go=False)
+    wait_for(lambda: len(job.truth_records()) >= 10, 90, "the job to train")
+    first = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate",
+                   "--no-validate", name="first")
+    first.wait_attached(2)
+    second = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate",
+                    "--no-validate", name="second")
+    second.wait_attached(2)
+    assert f"(pid {first.proc.pid}) writes plans to {ctl}: advising only" in second.output()
+    assert "advising only" not in first.output()
+    assert second.stop() == 0
+    first.proc.kill()                          # kill -9: the kernel drops the lock
+    first.wait(30)
+    third = tracer([job.proc.pid], "-q", "--control-file", str(ctl), "--mitigate",
+                   "--no-validate", name="third")
+    third.wait_attached(2)
+    assert "advising only" not in third.output()
+    assert third.stop() == 0
