@@ -31,8 +31,9 @@ from .diagnosis.host import PAUSE_MAX_S, Background, busy_since
 from .diagnosis.planner import PAUSE_BUDGET
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 from .events import make_event
+from .output.console import Terminal
 from .output.jsonl import JsonLinesWriter
-from .output.summary import CallStats, safe
+from .output.summary import CallStats, final_report, safe
 from .output.text import describe
 from .probe.catalog import Catalog, load_catalog
 from .probe.check import has_bpf_privileges
@@ -88,9 +89,9 @@ class AttachSession:
                  text_out: TextIO | None = None, err: TextIO | None = None):
         self.opts = opts
         self.catalog = catalog or load_catalog()
-        self.err = err or sys.stderr
         to_stdout = opts.json_path == "-"
-        self.text_out = text_out or (sys.stderr if to_stdout else sys.stdout)
+        self.term = Terminal(text_out or (sys.stderr if to_stdout else sys.stdout),
+                             err or sys.stderr, opts.timestamps)
         self.sinks: list[Callable[[dict], None]] = []
         self.discovery = Discovery(opts.pids, self.catalog)
         self.tracer: Tracer | None = None
@@ -120,7 +121,8 @@ class AttachSession:
         self.plan_lock = None
         mitigate = opts.mitigate
         if mitigate:
-            self.plan_lock, holder = plan_writer_lock(opts.control_file)
+            from mitigation.control import writer_lock
+            self.plan_lock, holder = writer_lock(opts.control_file)
             if self.plan_lock is None:
                 mitigate = False
                 self._notes.append(
@@ -143,8 +145,6 @@ class AttachSession:
         self._followups: list = []                 # inputs caused by handling events
         self._feeding = False
         self.metrics = None
-        self.live = None                           # rich.live.Live while the TUI runs
-        self.tui_state = None
         self.exited_pids: set[int] = set()
         self.validator = None                      # diagnosis.validator.Service, at first use
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,22 +182,7 @@ class AttachSession:
                      "from now on (tracing and the view go on; the count is in the summary)")
 
     def say(self, msg: str) -> None:
-        if self.live is not None:
-            self.tui_state.note(msg)          # the live view's event log
-            return
-        print(self._stamp(f"greyhound-trace: {msg}"), file=self.err, flush=True)
-
-    def _stamp(self, text: str) -> str:
-        if not self.opts.timestamps:
-            return text
-        now = time.strftime("%H:%M:%S")
-        return "\n".join(f"{now} {line}" for line in text.split("\n"))
-
-    def tell(self, line: str) -> None:
-        """An analysis event's line for the text output (the live view logs
-        the events themselves)."""
-        if self.live is None:
-            print(self._stamp(line), file=self.text_out, flush=True)
+        self.term.say(msg)
 
     # -- the analysis --------------------------------------------------------
 
@@ -230,7 +215,7 @@ class AttachSession:
         if kind not in ("iteration", "activity"):
             line = describe(ev)
             if line:
-                self.tell(line)
+                self.term.tell(line)
         if kind == "validation" and ev.get("phase") == "request":
             self._start_validation(ev)
         elif kind == "action" and ev.get("seq") is not None and ev.get("phase") != "outcome":
@@ -277,7 +262,7 @@ class AttachSession:
             from .engine import warm_up
             warm_up()          # from the Numba cache; compiles only on a cold one
             if self.opts.tui:
-                self._start_tui()
+                self.sinks.append(self.term.start_view(self._snapshot))
             self.tracer.load()
             new, _, _ = self._initial_scan
             self._attach_targets(new, first=True)
@@ -295,9 +280,7 @@ class AttachSession:
             raise
         finally:
             background.restore()
-            if self.live is not None:
-                self.live.stop()              # the summary prints below the last view
-                self.live = None
+            self.term.stop_view()             # the summary prints below the last view
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             if self.stop_reason != "error":
@@ -341,14 +324,11 @@ class AttachSession:
             if now >= next_tick:
                 self.feed(Tick(self.now_ns()))
                 next_tick = now + TICK_S
-            if self.live is not None and now >= next_view:
-                from .output.tui import render
-                self.live.update(render(self._snapshot(now - t0)), refresh=True)
+            if self.term.live is not None and now >= next_view:
+                self.term.refresh(now - t0)
                 next_view = now + VIEW_S
-            if (next_summary and now >= next_summary and not self.stop_reason
-                    and self.live is None):
-                print(self._stamp(self.stats.format_interval(self.analysis.rank_view)),
-                      file=self.text_out, flush=True)
+            if next_summary and now >= next_summary and not self.stop_reason:
+                self.term.tell(self.stats.format_interval(self.analysis.rank_view))
                 summaries += 1
                 next_summary += self.opts.interval
                 if self.opts.count and summaries >= self.opts.count:
@@ -537,25 +517,12 @@ class AttachSession:
 
     # -- live view -----------------------------------------------------------
 
-    def _start_tui(self) -> None:
-        from rich.console import Console
-        from rich.live import Live
-        from .output.tui import TuiState, render
-        self.tui_state = TuiState()
-        self.sinks.append(self.tui_state)
-        console = Console(file=self.text_out)
-        self.live = Live(render(self._snapshot(0.0, console.width)), console=console,
-                         auto_refresh=False, transient=False, redirect_stdout=False,
-                         redirect_stderr=False)
-        self.live.start()
-
-    def _snapshot(self, elapsed: float, width: int | None = None):
-        return self.tui_state.snapshot(
+    def _snapshot(self, state, elapsed: float, width: int):
+        return state.snapshot(
             job=self.job, elapsed_s=elapsed, stats=self.stats, view=self.analysis.rank_view,
             straggler=self.analysis.straggler, exited=self.exited_pids,
             probes=sum(len(ps) for ps in self.tracer.probes.values()) if self.tracer else 0,
-            lost=self.lost_reported, mode=self.analysis.mode,
-            width=width or (self.live.console.width if self.live else 80))
+            lost=self.lost_reported, mode=self.analysis.mode, width=width)
 
     # -- the end ---------------------------------------------------------------
 
@@ -575,43 +542,11 @@ class AttachSession:
                   **extra)
         if self.writer:
             self.writer.flush()
-        print(self.stats.format_final(self.lost_reported, delivered, time.monotonic() - t0),
-              file=self.text_out, flush=True)
-        elapsed = max(time.monotonic() - t0, 1e-9)
-        print(f"greyhound-trace: {a.planner.validations} validation(s), job paused "
-              f"{a.paused_total_s:.1f} s ({100 * a.paused_total_s / elapsed:.2f}% of "
-              f"{elapsed:.0f} s)", file=self.text_out, flush=True)
-        if self.writer is not None and self.writer.dropped:
-            print(f"greyhound-trace: -o {self.opts.json_path}: {self.writer.dropped} event(s) "
-                  f"not written ({self.writer.error})", file=self.text_out, flush=True)
-        if self.recorder is not None and self.recorder.dropped:
-            print(f"greyhound-trace: --record {self.opts.record_path}: {self.recorder.dropped} "
-                  f"input(s) not recorded ({self.recorder.error})", file=self.text_out, flush=True)
-        for pid, n in extra.get("launches", {}).items():
-            print(f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)",
-                  file=self.text_out, flush=True)
+        lost_output = [(f"-o {self.opts.json_path}", w.dropped, "event(s) not written", w.error)
+                       for w in [self.writer] if w is not None]
+        lost_output += [(f"--record {self.opts.record_path}", r.dropped,
+                         "input(s) not recorded", r.error) for r in [self.recorder] if r]
+        print(final_report(self.stats, self.lost_reported, delivered, time.monotonic() - t0,
+                           a.planner.validations, a.paused_total_s, lost_output,
+                           extra.get("launches", {})), file=self.term.text_out, flush=True)
 
-
-def plan_writer_lock(control_file: str):
-    """An exclusive lock on `<control>.lock` for as long as this process
-    lives (the kernel drops it on any exit, kill -9 included): (the open
-    file, None), or (None, the holder's pid if it wrote one)."""
-    import fcntl
-    path = f"{control_file}.lock"
-    try:
-        fh = open(path, "a+")
-    except OSError:
-        # No lock where the plans go: writing them will fail too, and say so.
-        return open(os.devnull), None
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        fh.seek(0)
-        holder = fh.read().strip()
-        fh.close()
-        return None, int(holder) if holder.isdigit() else None
-    fh.seek(0)
-    fh.truncate()
-    fh.write(str(os.getpid()))
-    fh.flush()
-    return fh, None

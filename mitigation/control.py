@@ -17,6 +17,7 @@ one warning and the last good plan stays in force.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -273,3 +274,27 @@ class ControlFile:
                "dp_rank": self.rank if self.dp_rank is None else self.dp_rank,
                "applied_ns": time.time_ns()}
         atomic_write_json(Path(f"{self.path}.ack.{self.rank}"), doc)
+
+
+def writer_lock(control_file: str | os.PathLike):
+    """An exclusive lock on `<control>.lock` for as long as this process
+    lives (the kernel drops it on any exit, kill -9 included): (the open
+    file, None), or (None, the holder's pid if it wrote one)."""
+    path = f"{control_file}.lock"
+    try:
+        fh = open(path, "a+")
+    except OSError:
+        # No lock where the plans go: writing them will fail too, and say so.
+        return open(os.devnull), None
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip()
+        fh.close()
+        return None, int(holder) if holder.isdigit() else None
+    fh.seek(0)
+    fh.truncate()
+    fh.write(str(os.getpid()))
+    fh.flush()
+    return fh, None

@@ -144,9 +144,11 @@ def test_bad_metrics_address(spec):
 
 
 def test_timestamps_on_every_text_line():
+    import io
     import re
-    from greyhound_bpf.attach import AttachOptions, AttachSession
-    s = AttachSession(AttachOptions(pids=[1], timestamps=True))
-    lines = s._stamp("rank 0 ...\nrank 1 ...").splitlines()
+    from greyhound_bpf.output.console import Terminal
+    out = io.StringIO()
+    Terminal(out, io.StringIO(), timestamps=True).tell("rank 0 ...\nrank 1 ...")
+    lines = out.getvalue().splitlines()
     assert len(lines) == 2 and all(re.match(r"\d\d:\d\d:\d\d rank \d", x) for x in lines)
-    assert AttachSession(AttachOptions(pids=[1]))._stamp("x") == "x"
+    assert Terminal(io.StringIO(), io.StringIO()).stamp("x") == "x"

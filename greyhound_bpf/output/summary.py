@@ -118,3 +118,20 @@ class CallStats:
                              f"{fs.total_ns / fs.count / 1e6:8.3f} {fs.max_ns / 1e6:8.3f} "
                              f"{fs.total_ns / 1e9:8.3f}")
         return "\n".join(lines)
+
+
+def final_report(stats: CallStats, lost: int, delivered: int, elapsed_s: float,
+                 validations: int, paused_s: float, lost_output: list[tuple],
+                 launches: dict) -> str:
+    """What `attach` prints when it ends: the calls per rank, validation's
+    pauses, output that could not be written ((what, count, noun, why)), and
+    kernel-counted launches."""
+    elapsed_s = max(elapsed_s, 1e-9)
+    lines = [stats.format_final(lost, delivered, elapsed_s),
+             f"greyhound-trace: {validations} validation(s), job paused {paused_s:.1f} s "
+             f"({100 * paused_s / elapsed_s:.2f}% of {elapsed_s:.0f} s)"]
+    lines += [f"greyhound-trace: {what}: {n} {noun} ({why})"
+              for what, n, noun, why in lost_output if n]
+    lines += [f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)"
+              for pid, n in launches.items()]
+    return "\n".join(lines)
