@@ -117,7 +117,6 @@ class AttachSession:
                 raise GreyhoundError(f"--control-file: {e}") from None
         # One writer per control file: a second `attach --mitigate` on the
         # same job advises only (two policies would undo each other's plans).
-        self._notes: list[str] = []
         self.plan_lock = None
         mitigate = opts.mitigate
         if mitigate:
@@ -125,9 +124,8 @@ class AttachSession:
             self.plan_lock, holder = writer_lock(opts.control_file)
             if self.plan_lock is None:
                 mitigate = False
-                self._notes.append(
-                    f"another greyhound-trace{f' (pid {holder})' if holder else ''} writes "
-                    f"plans to {opts.control_file}: advising only")
+                self.say(f"another greyhound-trace{f' (pid {holder})' if holder else ''} "
+                         f"writes plans to {opts.control_file}: advising only")
         config = AnalysisConfig(
             threshold=opts.threshold, min_probability=opts.min_probability,
             validate=opts.validate, pause_budget=opts.pause_budget, mitigate=mitigate,
@@ -251,8 +249,6 @@ class AttachSession:
         # kernels' cache, symbol tables): in the background, so that a busy
         # job does not lose them; back in front once the probes are in.
         background = Background().enter()
-        for note in self._notes:
-            self.say(note)
         try:
             if self.opts.metrics_port is not None:
                 from .output.metrics import Metrics

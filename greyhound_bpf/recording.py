@@ -35,7 +35,7 @@ import numpy as np
 from . import GreyhoundError, __version__
 from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, PlanWritten, Targets,
                        Tick, Validated)
-from .output.jsonl import plain
+from .output.jsonl import JsonLinesWriter
 from .probe.catalog import Catalog
 from .probe.records import CALL_DTYPE, GH_MAX_ARGS
 
@@ -88,55 +88,36 @@ def header(job: str, config: AnalysisConfig, catalog: Catalog, **extra) -> dict:
 
 
 class Recorder:
-    """Writes inputs as they are fed. A write that fails (a full disk, a
-    removed directory) stops the recording, says so once (`error`), and
-    counts what could not be written (`dropped`); tracing goes on."""
+    """Writes inputs as they are fed, as JSON lines (the event stream's
+    writer: a write that fails, a full disk or a removed directory, stops
+    the recording, says why in `error` and counts what could not be written
+    in `dropped`; tracing goes on)."""
 
     def __init__(self, path: str, head: dict, catalog: Catalog | None = None):
-        self.path, self.error, self.dropped = path, None, 0
+        self.path = path
         self.mask = catalog.slot_mask() if catalog is not None else None
         try:
-            self._fh: IO[str] = (gzip.open(path, "wt", compresslevel=6) if path.endswith(".gz")
-                                 else open(path, "w", buffering=1 << 16))
+            self._out = JsonLinesWriter(path, mode="w")
         except OSError as e:
             raise GreyhoundError(f"--record {path}: {e.strerror or e}") from None
-        self._line(head)
+        self._out.write(head)
+
+    @property
+    def error(self) -> str | None:
+        return self._out.error
+
+    @property
+    def dropped(self) -> int:
+        return self._out.dropped
 
     def write(self, inp) -> None:
-        self._line(encode(inp, self.mask))
-
-    def _line(self, d: dict) -> None:
-        if self.error is not None:
-            self.dropped += 1
-            return
-        try:
-            self._fh.write(json.dumps(d, separators=(",", ":"), default=plain) + "\n")
-        except OSError as e:
-            self.error = f"{e.strerror or e}"
-            self.dropped += 1
-            self._close_quietly()
+        self._out.write(encode(inp, self.mask))
 
     def flush(self) -> None:
-        if self.error is None:
-            try:
-                self._fh.flush()
-            except OSError as e:
-                self.error = f"{e.strerror or e}"
-                self._close_quietly()
+        self._out.flush()
 
     def close(self) -> None:
-        if self.error is None:
-            try:
-                self._fh.close()
-            except OSError as e:
-                self.error = f"{e.strerror or e}"
-        self.error = self.error or "closed"
-
-    def _close_quietly(self) -> None:
-        try:
-            self._fh.close()
-        except OSError:
-            pass
+        self._out.close()
 
 
 # -- reading ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """JSON-lines output of the event stream (`-j`, `-o FILE`)."""
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from typing import IO
@@ -22,12 +23,17 @@ class JsonLinesWriter:
     the writer rather than the tracer. A write that fails (a full disk, an
     I/O error) stops it too: ``error`` says why, and ``dropped`` counts the
     events lost (those buffered since the last good flush, and every one
-    after), for the caller to report.
+    after), for the caller to report. A name ending in `.gz` is compressed.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mode: str = "a"):
         self.path = path
-        self._fh: IO[str] = sys.stdout if path == "-" else open(path, "a", buffering=1 << 16)
+        if path == "-":
+            self._fh: IO[str] = sys.stdout
+        elif path.endswith(".gz"):
+            self._fh = gzip.open(path, mode + "t", compresslevel=6)
+        else:
+            self._fh = open(path, mode, buffering=1 << 16)
         self.closed = False
         self.error: str | None = None
         self.dropped = 0

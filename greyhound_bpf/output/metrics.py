@@ -7,7 +7,8 @@ other consumer, plus per-call counts from the tracer's batches.
                                                 with DCGM's Hostname on node)
     greyhound_iteration_seconds{rank}           last iteration time of a rank
     greyhound_iteration_duration_seconds{rank}  histogram of iteration times
-    greyhound_iterations_total{rank}            iterations (rate(): per second)
+                                                (rate() of its _count:
+                                                iterations per second)
     greyhound_calls_total{rank,fn}              probed calls (rank empty, i.e.
                                                 absent, for no known rank)
     greyhound_lost_records_total                records the ring buffer dropped
@@ -48,8 +49,6 @@ class Metrics:
         self.durations = Histogram(
             "greyhound_iteration_duration_seconds", "Iteration times of a rank", ["rank"],
             buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r)
-        self.iterations = Counter("greyhound_iterations", "Iterations of a rank", ["rank"],
-                                  registry=r)
         Gauge("greyhound_build_info", "Greyhound's version", ["version"],
               registry=r).labels(version=__version__).set(1)
         self.rank_info = Gauge("greyhound_rank_info", "A rank attached",
@@ -106,7 +105,6 @@ class Metrics:
             rank = str(ev["rank"])
             self.iteration.labels(rank=rank).set(ev["dur_ns"] / 1e9)
             self.durations.labels(rank=rank).observe(ev["dur_ns"] / 1e9)
-            self.iterations.labels(rank=rank).inc()
             self.straggler.labels(rank=rank)                 # every rank appears, at 0
         elif kind in ("slowdown", "recovery") and ev.get("scope") == "job":
             self.slow.set(1 if kind == "slowdown" else 0)
