@@ -309,7 +309,7 @@ class AttachSession:
             self._process(self.tracer.poll(POLL_MS))
             now = time.monotonic()
             if now >= next_lost:
-                self._report_lost()
+                self._report_losses()
                 self._read_acks()
                 next_lost = now + LOST_CHECK_S
             if now >= next_scan:
@@ -399,7 +399,12 @@ class AttachSession:
         if not self.discovery.targets and not self.discovery.roots_alive():
             self.stop_reason = self.stop_reason or "target_exited"
 
-    def _report_lost(self) -> None:
+    def _report_losses(self) -> None:
+        for (pid, fn), why in sorted(self.tracer.site_problems.items()):
+            self.emit("unprobed_site", pid=pid, fn=fn, reason=why)
+            self.say(f"pid {pid}: a caller of {fn} cannot be probed where it resumes ({why}); "
+                     "its calls from there are not timed")
+        self.tracer.site_problems.clear()
         total = self.tracer.lost_total()
         if total > self.lost_reported:
             delta = total - self.lost_reported
@@ -526,14 +531,16 @@ class AttachSession:
         self._stop_validation()
         if self.tracer and self.tracer.bpf is not None:
             self._process(self.tracer.drain())
-            self._report_lost()
+            self._report_losses()
         reason = self.stop_reason or "signal"
         delivered = self.tracer.delivered if self.tracer else 0
         extra = {}
         if self.opts.count_launches and self.tracer and self.tracer.bpf is not None:
             extra["launches"] = {str(pid): n for pid, n in sorted(self.tracer.launch_counts().items())}
         a = self.analysis
+        untimed = self.tracer.untimed_total() if self.tracer and self.tracer.bpf else 0
         self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported,
+                  untimed=untimed,
                   validations=a.planner.validations, paused_s=round(a.paused_total_s, 3),
                   **extra)
         if self.writer:
@@ -544,5 +551,6 @@ class AttachSession:
                          "input(s) not recorded", r.error) for r in [self.recorder] if r]
         print(final_report(self.stats, self.lost_reported, delivered, time.monotonic() - t0,
                            a.planner.validations, a.paused_total_s, lost_output,
-                           extra.get("launches", {})), file=self.term.text_out, flush=True)
+                           extra.get("launches", {}), untimed),
+              file=self.term.text_out, flush=True)
 

@@ -13,6 +13,7 @@ SCHEMA_VERSION = 1
 KINDS = frozenset({
     "attach", "call", "exit", "pattern", "iteration", "slowdown", "recovery", "diagnosis",
     "action", "applied", "lost", "detach", "topology", "validation", "activity",
+    "unprobed_site",
 })
 
 

@@ -1,7 +1,8 @@
 /* Uprobe/uretprobe programs that time every probed library call.
  *
  * Entry saves the start time and the argument slots per (thread, function);
- * return computes the duration, reads out-parameters (for example the
+ * return (a uretprobe, or for functions that may throw a uprobe at the
+ * caller's return site: see greyhound.h) computes the duration, reads out-parameters (for example the
  * ncclComm_t that ncclCommInitRank writes) and reserves one ring-buffer
  * record. A record the ring buffer cannot take is counted in `lost`, never
  * dropped silently. Load-time settings come in as -D flags:
@@ -28,13 +29,20 @@
 #ifndef GH_WAKEUP_EVERY
 #define GH_WAKEUP_EVERY 64
 #endif
+#ifndef GH_MAX_SITES
+#define GH_MAX_SITES 4096
+#endif
 
 BPF_RINGBUF_OUTPUT(events, GH_RINGBUF_PAGES);
 BPF_ARRAY(fn_spec, struct gh_fn_spec, GH_MAX_FUNCS);
 /* LRU: a thread killed inside a call must not leak its slot forever. */
 BPF_TABLE("lru_hash", struct gh_inflight_key, struct gh_inflight, inflight,
 	  GH_INFLIGHT_MAX);
+BPF_TABLE("lru_hash", struct gh_frame_key, struct gh_frame, frames, GH_INFLIGHT_MAX);
+/* Return sites seen, for user space to probe (it deletes a process's on detach). */
+BPF_HASH(sites, struct gh_site_key, u8, GH_MAX_SITES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
+BPF_PERCPU_ARRAY(untimed, u64, 1);
 BPF_PERCPU_ARRAY(submitted, u64, 1);
 /* cudaLaunchKernel is too frequent to stream: count it per process here. */
 BPF_HASH(launches, u32, u64, 4096);
@@ -72,22 +80,53 @@ static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
 		}
 	}
 
-	struct gh_inflight_key key = {
-		.tid = (u32)bpf_get_current_pid_tgid(),
-		.fn = fn,
-	};
+	u64 id = bpf_get_current_pid_tgid();
+	if (spec->flags & GH_SPEC_RETURN_SITE) {
+		u64 sp = PT_REGS_SP(ctx), ra = 0;
+#if defined(__TARGET_ARCH_arm64)
+		ra = ctx->regs[30]; /* link register; sp is unchanged by ret */
+#else
+		/* x86_64: the return address is at sp; ret pops it */
+		bpf_probe_read_user(&ra, sizeof(ra), (void *)sp);
+		sp += sizeof(u64);
+#endif
+		struct gh_frame_key fk = { .tid = (u32)id, .sp = sp };
+		struct gh_frame fr = { .call = st, .fn = fn };
+		frames.update(&fk, &fr);
+		struct gh_site_key sk = { .pid = id >> 32, .fn = fn, .addr = ra };
+		u8 *state = sites.lookup(&sk);
+		if (!state || *state != GH_SITE_PROBED) {
+			u32 zero = 0;
+			u64 *n = untimed.lookup(&zero);
+			if (n)
+				(*n)++;
+		}
+		u8 fresh = GH_SITE_NEW;
+		if (!state && sites.insert(&sk, &fresh) == 0) {
+			/* Wake user space now: the sooner the site is probed,
+			 * the fewer calls go untimed. */
+			struct gh_call *mark = events.ringbuf_reserve(sizeof(struct gh_call));
+			if (mark) {
+				__builtin_memset(mark, 0, sizeof(*mark));
+				mark->pid = id >> 32;
+				mark->tid = (u32)id;
+				mark->fn = fn;
+				mark->flags = GH_F_NEW_SITE;
+				events.ringbuf_submit(mark, BPF_RB_FORCE_WAKEUP);
+			}
+		}
+		return 0;
+	}
+	struct gh_inflight_key key = { .tid = (u32)id, .fn = fn };
 	inflight.update(&key, &st);
 	return 0;
 }
 
-static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
+/* One record for a call that returned, or one count in `lost` if the ring
+ * buffer is full. */
+static __always_inline void gh_emit(struct pt_regs *ctx, u32 fn, struct gh_inflight *st)
 {
 	u64 id = bpf_get_current_pid_tgid();
-	struct gh_inflight_key key = { .tid = (u32)id, .fn = fn };
-	struct gh_inflight *st = inflight.lookup(&key);
-	if (!st)
-		return 0; /* entry happened before we attached */
-
 	struct gh_fn_spec *spec = fn_spec.lookup(&fn);
 	struct gh_call *rec = events.ringbuf_reserve(sizeof(struct gh_call));
 	if (!rec) {
@@ -95,8 +134,7 @@ static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
 		u64 *n = lost.lookup(&zero);
 		if (n)
 			(*n)++;
-		inflight.delete(&key);
-		return 0;
+		return;
 	}
 	rec->start_ns = st->start_ns;
 	rec->dur_ns = bpf_ktime_get_ns() - st->start_ns;
@@ -123,7 +161,30 @@ static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
 	if (nsub && ++(*nsub) % GH_WAKEUP_EVERY == 0)
 		flags = BPF_RB_FORCE_WAKEUP;
 	events.ringbuf_submit(rec, flags);
+}
+
+static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
+{
+	struct gh_inflight_key key = { .tid = (u32)bpf_get_current_pid_tgid(), .fn = fn };
+	struct gh_inflight *st = inflight.lookup(&key);
+	if (!st)
+		return 0; /* entry happened before we attached */
+	gh_emit(ctx, fn, st);
 	inflight.delete(&key);
+	return 0;
+}
+
+/* A uprobe at a return site: the call whose frame returns to this stack
+ * pointer on this thread, if any (the site may be reached otherwise too). */
+int gh_site(struct pt_regs *ctx)
+{
+	struct gh_frame_key key = { .tid = (u32)bpf_get_current_pid_tgid(),
+				    .sp = PT_REGS_SP(ctx) };
+	struct gh_frame *fr = frames.lookup(&key);
+	if (!fr)
+		return 0;
+	gh_emit(ctx, fr->fn, &fr->call);
+	frames.delete(&key);
 	return 0;
 }
 

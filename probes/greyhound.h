@@ -15,8 +15,12 @@
  * the function id compiled in, so a probe hit needs no address lookup. */
 #define GH_MAX_FUNCS 48
 
+/* gh_fn_spec.flags */
+#define GH_SPEC_RETURN_SITE 0x1 /* time the return at the caller's return site, not a uretprobe */
+
 /* gh_call.flags */
 #define GH_F_DEREF_FAILED 0x1 /* an out-parameter could not be read at return */
+#define GH_F_NEW_SITE 0x2     /* not a call: a new return site to probe (fn, pid) */
 
 struct gh_call {
 	__u64 start_ns; /* bpf_ktime_get_ns() at entry (CLOCK_MONOTONIC) */
@@ -41,6 +45,7 @@ struct gh_fn_spec {
 	__u8 field_slot; /* slot holding a pointer to an options struct */
 	__u8 nfields;    /* u64 fields of that struct to read at entry (0..2) */
 	__u16 field_off[GH_MAX_FIELDS]; /* their byte offsets */
+	__u16 flags;     /* GH_SPEC_* */
 };
 
 /* Key of the in-flight table: nested calls of different functions on one
@@ -54,5 +59,41 @@ struct gh_inflight {
 	__u64 start_ns;
 	__u64 args[GH_MAX_ARGS];
 };
+
+/* Functions that may throw (C++: gloo) are not given a uretprobe. A C++
+ * exception unwinding through a uretprobe's frame finds the kernel's
+ * trampoline where the return address was, has no unwind table for it and
+ * calls std::terminate: the tracer would turn a peer's loss, which the job
+ * can catch, into an abort. Such a call is timed at its return site
+ * instead: entry saves it under (thread, stack pointer after the return)
+ * and reports the caller's return address in `sites`; user space puts a
+ * plain uprobe there. An exception skips the return site and leaves a stale
+ * frame, which the next call at that depth overwrites (LRU otherwise); only
+ * code that jumps to the instruction after the call, at that depth, before
+ * calling again could meet it (and report one call too long). */
+struct gh_frame_key {
+	__u32 tid;
+	__u32 pad;
+	__u64 sp; /* stack pointer at the return site */
+};
+
+struct gh_frame {
+	struct gh_inflight call;
+	__u32 fn;
+	__u32 pad;
+};
+
+struct gh_site_key {
+	__u32 pid;
+	__u32 fn;
+	__u64 addr; /* the caller's return address, in the process */
+};
+
+/* Values of `sites`: user space sets PROBED or UNPROBEABLE. Calls that
+ * begin while their site is not PROBED are counted in `untimed` (the first
+ * from each site is still timed if the probe lands before it returns). */
+#define GH_SITE_NEW 0
+#define GH_SITE_PROBED 1
+#define GH_SITE_UNPROBEABLE 2
 
 #endif /* GREYHOUND_H */

@@ -10,7 +10,9 @@ import subprocess
 import pytest
 
 from greyhound_bpf.probe import catalog as catalog_mod
-from greyhound_bpf.probe.records import CALL_DTYPE, GH_MAX_ARGS, GhCall, GhFnSpec
+from greyhound_bpf.probe.records import (CALL_DTYPE, GH_F_NEW_SITE, GH_MAX_ARGS, GH_SITE_PROBED,
+                                         GH_SITE_UNPROBEABLE, GH_SPEC_RETURN_SITE, GhCall,
+                                         GhFnSpec, GhSiteKey)
 from greyhound_bpf.probe.catalog import probes_dir
 
 PROGRAM = r"""
@@ -26,7 +28,12 @@ int main(void) {
     F(gh_call, start_ns) F(gh_call, dur_ns) F(gh_call, pid) F(gh_call, tid)
     F(gh_call, fn) F(gh_call, flags) F(gh_call, ret) F(gh_call, args)
     F(gh_fn_spec, nargs) F(gh_fn_spec, deref_mask) F(gh_fn_spec, field_slot)
-    F(gh_fn_spec, nfields) F(gh_fn_spec, field_off)
+    F(gh_fn_spec, nfields) F(gh_fn_spec, field_off) F(gh_fn_spec, flags)
+    printf("gh_site_key %zu\n", sizeof(struct gh_site_key));
+    F(gh_site_key, pid) F(gh_site_key, fn) F(gh_site_key, addr)
+    printf("GH_SPEC_RETURN_SITE %d\n", GH_SPEC_RETURN_SITE);
+    printf("GH_F_NEW_SITE %d\nGH_SITE_PROBED %d\nGH_SITE_UNPROBEABLE %d\n",
+           GH_F_NEW_SITE, GH_SITE_PROBED, GH_SITE_UNPROBEABLE);
     printf("GH_FIELD_SLOT0 %d\nGH_MAX_FIELDS %d\n", GH_FIELD_SLOT0, GH_MAX_FIELDS);
     return 0;
 }
@@ -52,6 +59,7 @@ def test_struct_sizes_match(c_layout):
     assert c_layout["gh_call"] == (ct.sizeof(GhCall),)
     assert c_layout["gh_call"] == (CALL_DTYPE.itemsize,)
     assert c_layout["gh_fn_spec"] == (ct.sizeof(GhFnSpec),)
+    assert c_layout["gh_site_key"] == (ct.sizeof(GhSiteKey),)
 
 
 @pytest.mark.parametrize("field", [f[0] for f in GhCall._fields_])
@@ -63,10 +71,13 @@ def test_gh_call_offsets_match(c_layout, field):
     assert CALL_DTYPE.fields[field][0].itemsize == size
 
 
-@pytest.mark.parametrize("field", ["nargs", "deref_mask", "field_slot", "nfields", "field_off"])
-def test_fn_spec_offsets_match(c_layout, field):
-    off, size = c_layout[f"gh_fn_spec.{field}"]
-    assert (getattr(GhFnSpec, field).offset, getattr(GhFnSpec, field).size) == (off, size)
+@pytest.mark.parametrize("struct, field", [
+    *((GhFnSpec, f) for f in ["nargs", "deref_mask", "field_slot", "nfields", "field_off", "flags"]),
+    *((GhSiteKey, f) for f in ["pid", "fn", "addr"])])
+def test_spec_and_site_offsets_match(c_layout, struct, field):
+    name = {GhFnSpec: "gh_fn_spec", GhSiteKey: "gh_site_key"}[struct]
+    off, size = c_layout[f"{name}.{field}"]
+    assert (getattr(struct, field).offset, getattr(struct, field).size) == (off, size)
 
 
 def test_limits_match(c_layout):
@@ -74,3 +85,7 @@ def test_limits_match(c_layout):
     assert c_layout["GH_MAX_FUNCS"] == (catalog_mod.MAX_FUNCS,)
     assert c_layout["GH_FIELD_SLOT0"] == (catalog_mod.FIELD_SLOT0,)
     assert c_layout["GH_MAX_FIELDS"] == (catalog_mod.MAX_FIELDS,)
+    assert c_layout["GH_SPEC_RETURN_SITE"] == (GH_SPEC_RETURN_SITE,)
+    assert c_layout["GH_F_NEW_SITE"] == (GH_F_NEW_SITE,)
+    assert c_layout["GH_SITE_PROBED"] == (GH_SITE_PROBED,)
+    assert c_layout["GH_SITE_UNPROBEABLE"] == (GH_SITE_UNPROBEABLE,)

@@ -1,6 +1,9 @@
 """Real PyTorch DDP over gloo on the CPU, under torchrun, traced through the
 torchrun PID: every rank is found with its rank id, and the per-rank
-gloo::allreduce counts equal the job's own counts exactly."""
+gloo::allreduce counts equal the job's own counts, but for the first call
+from each caller, which may begin before that caller's return site is
+probed (gloo may throw, so it gets no uretprobe: probes/greyhound.h); the
+tracer counts those (`untimed`)."""
 import bisect
 import time
 from collections import Counter
@@ -32,9 +35,7 @@ def test_ddp_ranks_and_allreduce_counts(ddp_job, tracer, nproc):
     final = job.final_counts()
     assert sorted(final) == list(range(nproc))
     calls = t.events("call")
-    seen = Counter(c["rank"] for c in calls if c["fn"] == "gloo::allreduce")
-    assert {r: seen[r] for r in range(nproc)} == {r: final[r]["allreduces"] for r in range(nproc)}
-    assert all(final[r]["allreduces"] > 0 for r in range(nproc))
+    _assert_counts(t, final, nproc)
 
     # Durations are positive and shorter than the job's own step that holds them.
     truth = job.truth_records()
@@ -82,9 +83,19 @@ def test_ranks_that_start_after_the_attach(ddp_job, tracer):
     job.go()
     assert job.wait(120) == 0
     assert t.wait(60) == 0
-    final = job.final_counts()
+    _assert_counts(t, job.final_counts(), 2)
+
+
+def _assert_counts(t, final: dict, nproc: int) -> None:
     seen = Counter(c["rank"] for c in t.events("call") if c["fn"] == "gloo::allreduce")
-    assert dict(seen) == {r: final[r]["allreduces"] for r in (0, 1)}
+    missed = {r: final[r]["allreduces"] - seen[r] for r in range(nproc)}
+    detach = t.events("detach")[-1]
+    assert all(m >= 0 for m in missed.values()), missed
+    # Only calls that began before their site was probed can be missing:
+    # those of the few milliseconds before the tracer places the probe
+    # (broadcasts at DDP's start included), a handful per rank.
+    assert sum(missed.values()) <= detach["untimed"] <= 10 * nproc, (missed, detach)
+    assert all(final[r]["allreduces"] > 20 for r in range(nproc))
 
 
 def _children(pid: int) -> list[int]:

@@ -122,16 +122,20 @@ class CallStats:
 
 def final_report(stats: CallStats, lost: int, delivered: int, elapsed_s: float,
                  validations: int, paused_s: float, lost_output: list[tuple],
-                 launches: dict) -> str:
+                 launches: dict, untimed: int = 0) -> str:
     """What `attach` prints when it ends: the calls per rank, validation's
-    pauses, output that could not be written ((what, count, noun, why)), and
-    kernel-counted launches."""
+    pauses, output that could not be written ((what, count, noun, why)),
+    kernel-counted launches, and calls of functions that may throw that
+    began before their caller's return site was probed (probes/greyhound.h)."""
     elapsed_s = max(elapsed_s, 1e-9)
     lines = [stats.format_final(lost, delivered, elapsed_s),
              f"greyhound-trace: {validations} validation(s), job paused {paused_s:.1f} s "
              f"({100 * paused_s / elapsed_s:.2f}% of {elapsed_s:.0f} s)"]
     lines += [f"greyhound-trace: {what}: {n} {noun} ({why})"
               for what, n, noun, why in lost_output if n]
+    if untimed:
+        lines.append(f"greyhound-trace: {untimed} call(s) began before their caller's return "
+                     "site was probed (the first from each caller): at most that many untimed")
     lines += [f"pid {pid}: {n} cudaLaunchKernel calls (counted in the kernel)"
               for pid, n in launches.items()]
     return "\n".join(lines)

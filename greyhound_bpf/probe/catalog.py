@@ -67,6 +67,9 @@ class FunctionSpec:
     # read at entry into slots FIELD_SLOT0.. (see probes/greyhound.h).
     field_slot: int = 0
     fields: tuple[tuple[str, int], ...] = ()
+    # C++ that may throw: timed at the caller's return site, never with a
+    # uretprobe (see probes/greyhound.h).
+    return_site: bool = False
 
     @property
     def nargs(self) -> int:
@@ -205,6 +208,9 @@ def _parse_family(raw: dict, where: str, fid: int) -> tuple[Family, int]:
     if isinstance(sonames, str):
         sonames = [sonames]
     enums = raw.get("enums", {})
+    throws = raw.get("throws", False)
+    if not isinstance(throws, bool):
+        raise CatalogError(f"{where}: `throws` must be true or false")
     for field, enum in enums.items():
         if enum not in ENUMS:
             raise CatalogError(f"{where}: unknown enum {enum!r} for {field}")
@@ -235,7 +241,7 @@ def _parse_family(raw: dict, where: str, fid: int) -> tuple[Family, int]:
             args=tuple(args), deref=tuple(deref),
             returns=bool(entry.get("returns", True)),
             blocking=bool(entry.get("blocking", False)),
-            field_slot=int(sf.get("slot", 0)), fields=fields,
+            field_slot=int(sf.get("slot", 0)), fields=fields, return_site=throws,
         ))
         fid += 1
     counters = tuple(c["name"] for c in raw.get("counter", []))

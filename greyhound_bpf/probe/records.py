@@ -10,6 +10,9 @@ import numpy as np
 
 GH_MAX_ARGS = 8
 GH_F_DEREF_FAILED = 0x1
+GH_F_NEW_SITE = 0x2
+GH_SITE_PROBED = 1
+GH_SITE_UNPROBEABLE = 2
 
 
 class GhCall(ct.Structure):
@@ -36,7 +39,15 @@ class GhFnSpec(ct.Structure):
         ("field_slot", ct.c_uint8),
         ("nfields", ct.c_uint8),
         ("field_off", ct.c_uint16 * GH_MAX_FIELDS),
+        ("flags", ct.c_uint16),
     ]
+
+
+GH_SPEC_RETURN_SITE = 0x1
+
+
+class GhSiteKey(ct.Structure):
+    _fields_ = [("pid", ct.c_uint32), ("fn", ct.c_uint32), ("addr", ct.c_uint64)]
 
 
 # Same layout as GhCall, for np.frombuffer over a batch of ring-buffer records.

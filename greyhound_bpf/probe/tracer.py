@@ -1,15 +1,19 @@
 """The BPF side of the tracer: load probes/calls.bpf.c, attach uprobes to the
 libraries each target maps, and drain the ring buffer into NumPy records.
 
-One uprobe and one uretprobe per (process, function address). Symbols are
-resolved once per library file (libtorch_cpu's symbol table takes ~0.5 s to
-scan) and aliases at one address (ncclX / pncclX) are attached once.
+One uprobe and one uretprobe per (process, function address); a function
+that may throw gets a uprobe at each return site its callers use instead of
+the uretprobe (probes/greyhound.h), placed as the entry probe reports them.
+Symbols are resolved once per library file (libtorch_cpu's symbol table
+takes ~0.5 s to scan) and aliases at one address (ncclX / pncclX) are
+attached once.
 """
 from __future__ import annotations
 
 import ctypes as ct
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +21,11 @@ import numpy as np
 from .. import GreyhoundError
 from .catalog import Catalog, FunctionSpec, probes_dir
 from .discovery import MappedLib, Target
-from .records import CALL_DTYPE, GhFnSpec
+from .records import (CALL_DTYPE, GH_F_NEW_SITE, GH_SITE_PROBED, GH_SITE_UNPROBEABLE,
+                      GH_SPEC_RETURN_SITE, GhFnSpec)
+from .sites import site_location
 
+SITE_SWEEP_S = 1.0   # return sites are looked for this often even without a wake-up record
 DEFAULT_RINGBUF_PAGES = 256   # 1 MiB: ~10k records, ~0.2 s of a busy 8-GPU node at VM probe cost
 
 
@@ -59,6 +66,13 @@ class Tracer:
         self._symcache: dict[tuple, dict[str, int]] = {}
         self._chunks: list[bytes] = []
         self.delivered = 0
+        # Return sites probed, per pid with a return-site function: runtime
+        # address -> function id.
+        self._sites: dict[int, dict[int, int]] = {}
+        # (pid, function name) -> why a return site could not be probed: its
+        # calls from there go untimed. Read and cleared by the caller.
+        self.site_problems: dict[tuple[int, str], str] = {}
+        self._sites_looked = 0.0
 
     # -- loading -----------------------------------------------------------
 
@@ -82,7 +96,8 @@ class Tracer:
         spec_table = self.bpf["fn_spec"]
         for fn in self.catalog.functions:
             spec = GhFnSpec(nargs=fn.nargs, deref_mask=fn.deref_mask,
-                            field_slot=fn.field_slot, nfields=len(fn.fields))
+                            field_slot=fn.field_slot, nfields=len(fn.fields),
+                            flags=GH_SPEC_RETURN_SITE if fn.return_site else 0)
             for j, (_, off) in enumerate(fn.fields):
                 spec.field_off[j] = off
             spec_table[ct.c_int(fn.fid)] = spec
@@ -142,15 +157,47 @@ class Tracer:
                         self._attach_raw(target.pid, lib.host_path, symbols[c],
                                          "gh_count_launch", retprobe=False)
         self.probes.setdefault(target.pid, []).extend(placed)
+        if any(p.fn.return_site for p in placed):
+            self._sites.setdefault(target.pid, {})
         return placed
 
     def _attach_one(self, p: Probe) -> None:
         self._attach_raw(p.pid, p.path, p.addr, f"gh_enter_{p.fn.fid}", retprobe=False)
+        if p.fn.return_site:
+            return
         try:
             self._attach_raw(p.pid, p.path, p.addr, f"gh_return_{p.fn.fid}", retprobe=True)
         except Exception:
             self._detach_events(p.pid)
             raise
+
+    def place_sites(self) -> int:
+        """Probe the return sites that entry probes reported since the last
+        call; returns how many were placed. A call is timed from its site's
+        probe on, the call that reported it included if it is still running."""
+        placed = 0
+        self._sites_looked = time.monotonic()
+        table = self.bpf["sites"]
+        for key, _ in table.items():
+            pid, addr = key.pid, key.addr
+            done = self._sites.get(pid)
+            if done is None or addr in done:
+                continue
+            done[addr] = key.fn
+            where = site_location(pid, addr)
+            if not isinstance(where, str):
+                try:
+                    self._attach_raw(pid, where[0], where[1], "gh_site", retprobe=False)
+                except Exception as e:
+                    where = f"a uprobe at {addr:#x} failed: {e}"
+            if isinstance(where, str):
+                if os.path.exists(f"/proc/{pid}"):
+                    self.site_problems[(pid, self.catalog.functions[key.fn].name)] = where
+                table[key] = ct.c_uint8(GH_SITE_UNPROBEABLE)
+            else:
+                table[key] = ct.c_uint8(GH_SITE_PROBED)
+                placed += 1
+        return placed
 
     def _attach_raw(self, pid: int, path: str, addr: int, fn_name: str, retprobe: bool) -> None:
         before = set(self.bpf.uprobe_fds)
@@ -170,12 +217,19 @@ class Tracer:
     def detach(self, pid: int) -> None:
         self.probes.pop(pid, None)
         self._detach_events(pid)
+        if self._sites.pop(pid, None) is not None:
+            # A later process with this pid reports its own sites.
+            table = self.bpf["sites"]
+            for key in [k for k, _ in table.items() if k.pid == pid]:
+                table.pop(key, None)
 
     # -- draining ----------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> np.ndarray:
         """Wait up to timeout_ms for records; returns them as a CALL_DTYPE array."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        if self._sites and time.monotonic() - self._sites_looked >= SITE_SWEEP_S:
+            self.place_sites()       # a new site's wake-up record may have been lost
         return self._take()
 
     def drain(self) -> np.ndarray:
@@ -188,11 +242,20 @@ class Tracer:
         buf = b"".join(self._chunks)
         self._chunks.clear()
         recs = np.frombuffer(buf, dtype=CALL_DTYPE)
+        marks = (recs["flags"] & GH_F_NEW_SITE) != 0
+        if marks.any():
+            recs = recs[~marks]
+            self.place_sites()
         self.delivered += len(recs)
         return recs
 
     def lost_total(self) -> int:
         return int(sum(self.bpf["lost"][ct.c_int(0)]))
+
+    def untimed_total(self) -> int:
+        """Calls of return-site functions that began before their site was
+        probed: at most this many went untimed."""
+        return int(sum(self.bpf["untimed"][ct.c_int(0)]))
 
     def launch_counts(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self.bpf["launches"].items()}

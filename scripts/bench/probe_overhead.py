@@ -6,6 +6,8 @@ Part 1 calls gh_bench_fn (scripts/bench/ghbench.c) in a tight loop under:
   bare      uprobe + uretprobe running empty BPF programs (the platform's limit)
   greyhound greyhound's real programs (probes/calls.bpf.c) with the ring
             buffer drained by a consumer thread, as in `attach`
+  site      the same, timed as a function that may throw (gloo): a uprobe at
+            the caller's return site instead of the uretprobe
 The configurations are interleaved round by round; medians are reported, and
 the ratio of greyhound's added cost to the bare probes' added cost.
 
@@ -76,9 +78,10 @@ def run_bare(exe, calls, bpf) -> float:
     return ns
 
 
-def bench_catalog(exe: Path) -> Catalog:
+def bench_catalog(exe: Path, return_site: bool = False) -> Catalog:
     fn = FunctionSpec(fid=0, family="bench", name="gh_bench_fn", kind="collective",
-                      symbols=("gh_bench_fn",), args=("count", "peer"), deref=(), returns=True)
+                      symbols=("gh_bench_fn",), args=("count", "peer"), deref=(), returns=True,
+                      return_site=return_site)
     return Catalog([Family("bench", (exe.name,), (fn,), (), {})])
 
 
@@ -110,8 +113,10 @@ def part1(calls: int, rounds: int) -> dict:
     bare = BPF(src_file=str(ROOT / "scripts/bench/empty.bpf.c").encode())
     tracer = Tracer(bench_catalog(exe), ringbuf_pages=4096)
     tracer.load()
-    res = {"none": [], "bare": [], "greyhound": []}
-    delivered = lost = 0
+    site = Tracer(bench_catalog(exe, return_site=True), ringbuf_pages=4096)
+    site.load()
+    res = {"none": [], "bare": [], "greyhound": [], "site": []}
+    delivered = lost = site_delivered = 0
     run_none(exe, calls // 10)                     # warm caches
     for r in range(rounds):
         res["none"].append(run_none(exe, calls))
@@ -119,9 +124,15 @@ def part1(calls: int, rounds: int) -> dict:
         ns, d, lo = run_greyhound(exe, calls, tracer)
         res["greyhound"].append(ns)
         delivered, lost = delivered + d, lost + lo
+        ns_site, d, lo = run_greyhound(exe, calls, site)
+        res["site"].append(ns_site)
+        site_delivered, lost = site_delivered + d, lost + lo
         print(f"  round {r + 1}/{rounds}: none {res['none'][-1]:.0f} ns, bare "
-              f"{res['bare'][-1]:.0f} ns, greyhound {ns:.0f} ns per call", flush=True)
+              f"{res['bare'][-1]:.0f} ns, greyhound {ns:.0f} ns, return site {ns_site:.0f} ns "
+              "per call", flush=True)
+    untimed = site.untimed_total()
     tracer.close()
+    site.close()
     bare.cleanup()
     shutil.rmtree(tmp)
     med = {k: statistics.median(v) for k, v in res.items()}
@@ -129,8 +140,10 @@ def part1(calls: int, rounds: int) -> dict:
     added_gh = med["greyhound"] - med["none"]
     return {"calls": calls, "rounds": rounds, "median_ns": med,
             "ratio_greyhound_to_bare": added_gh / added_bare,
+            "ratio_site_to_bare": (med["site"] - med["none"]) / added_bare,
             "records_delivered": delivered, "records_lost": lost,
-            "records_expected": calls * rounds}
+            "records_expected": calls * rounds, "site_records_delivered": site_delivered,
+            "site_untimed": untimed}
 
 
 # -- part 2: DDP job with and without attach -------------------------------
@@ -211,11 +224,13 @@ def main() -> int:
     r1 = part1(args.calls, args.rounds)
     m = r1["median_ns"]
     print(f"\n{'config':<12}{'median ns/call':>16}{'added ns':>12}")
-    for k in ("none", "bare", "greyhound"):
+    for k in ("none", "bare", "greyhound", "site"):
         print(f"{k:<12}{m[k]:>16.1f}{m[k] - m['none']:>12.1f}")
     print(f"greyhound / bare (added cost): {r1['ratio_greyhound_to_bare']:.2f}  (goal <= 1.2)")
+    print(f"return site / bare (added cost): {r1['ratio_site_to_bare']:.2f}")
     print(f"records: {r1['records_delivered']} delivered + {r1['records_lost']} lost "
-          f"of {r1['records_expected']} calls")
+          f"of {r1['records_expected']} calls; return site: {r1['site_records_delivered']} "
+          f"delivered, {r1['site_untimed']} began before their site was probed")
     out = {"probe": r1}
     if args.ddp_pairs:
         print(f"\npart 2: 4-rank gloo DDP, {args.ddp_pairs} interleaved pairs of "
