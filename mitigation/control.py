@@ -13,10 +13,14 @@ the tool (``ControlWriter``) and read by the trainer (``ControlFile``):
         scale = loss_scale(world, total_microbatches)   # loss *= scale per micro-batch
 
 A malformed file, an unknown version or a half-written file is rejected with
-one warning and the last good plan stays in force.
+one warning and the last good plan stays in force. So is a hostile one: a
+symbolic link, a FIFO or device, a file over MAX_DOC_BYTES or JSON nested
+too deeply is refused in bounded time and memory (``read_doc``); every file
+of this protocol, plans, acks and restart requests, is read that way.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -32,6 +36,8 @@ SCHEMA_VERSION = 1
 # this code (EX_TEMPFAIL), after rank 0 wrote the restart request
 # `<control>.restart`; greyhound-run relaunches the job when it sees one.
 RESTART_EXIT_CODE = 75
+# The largest document read: a plan for 8,192 data-parallel ranks is ~120 KiB.
+MAX_DOC_BYTES = 1 << 20
 STRATEGIES = ("none", "rebalance_microbatches", "reconfigure_pipeline", "checkpoint_restart")
 log = logging.getLogger("greyhound.control")
 
@@ -130,6 +136,41 @@ def _refuse_symlink(path: Path) -> None:
         raise PlanError(f"{path} is a symbolic link; refusing to follow it")
 
 
+def read_doc(path: str | os.PathLike, limit: int = MAX_DOC_BYTES):
+    """One JSON document from a regular file, read in bounded time and
+    memory: no symbolic link is followed, a FIFO or device is not read (and
+    never blocks the open), at most `limit` bytes are read and nesting too
+    deep for the parser is refused. Raises PlanError (a ValueError) for a
+    file it refuses, OSError for one it cannot open (FileNotFoundError...)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PlanError(f"{path} is a symbolic link; refusing to follow it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PlanError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise PlanError(f"{path} holds {st.st_size} bytes, more than a plan takes ({limit})")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise PlanError(f"{path} grew past {limit} bytes while read")
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(b"".join(chunks))
+    except RecursionError:
+        raise PlanError(f"{path} is nested too deeply to be a plan") from None
+
+
 def atomic_write_json(path: Path, doc: dict, mode: int = 0o644) -> None:
     """Write `doc` to `path` atomically: a temporary file in the same
     directory, fsync, rename over the target, fsync the directory. A reader
@@ -168,8 +209,8 @@ class ControlWriter:
         _refuse_symlink(self.path)
         self.seq = 0
         try:   # continue numbering after a restart of the tool
-            self.seq = int(json.loads(self.path.read_text()).get("seq", 0))
-        except (OSError, ValueError, AttributeError):
+            self.seq = int(read_doc(self.path).get("seq", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
             pass
 
     def issue(self, strategy: str, *, microbatches: dict[int, int] | None = None,
@@ -193,7 +234,7 @@ class ControlWriter:
         out = {}
         for p in self.path.parent.glob(f"{self.path.name}.ack.*"):
             try:
-                d = json.loads(p.read_text())
+                d = read_doc(p)
                 d["rank"], d["seq"] = int(d["rank"]), int(d["seq"])
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
@@ -203,7 +244,7 @@ class ControlWriter:
     def restart_observed_s(self) -> float | None:
         """The last restart's cost as measured by greyhound-run, if any."""
         try:
-            return float(json.loads(Path(f"{self.path}.restart_cost").read_text())["restart_s"])
+            return float(read_doc(f"{self.path}.restart_cost")["restart_s"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -224,7 +265,7 @@ class ControlFile:
 
     def poll(self) -> Plan | None:
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             return None
         sig = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -232,9 +273,7 @@ class ControlFile:
             return None
         self._sig = sig
         try:
-            with open(self.path) as fh:
-                text = fh.read()
-            plan = Plan.from_dict(json.loads(text))
+            plan = Plan.from_dict(read_doc(self.path))
         except (OSError, ValueError) as e:
             # json.JSONDecodeError and PlanError are ValueErrors; a file being
             # written by a non-atomic writer lands here too.

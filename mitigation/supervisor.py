@@ -17,7 +17,6 @@ with the command's exit code. SIGINT, SIGTERM and SIGHUP are passed to the job.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .control import RESTART_EXIT_CODE, atomic_write_json
+from .control import RESTART_EXIT_CODE, atomic_write_json, read_doc
 
 EPILOG = """\
 examples:
@@ -41,7 +40,7 @@ def say(msg: str) -> None:
 
 def read_json(path: Path) -> dict | None:
     try:
-        d = json.loads(path.read_text())
+        d = read_doc(path)
         return d if isinstance(d, dict) else None
     except (OSError, ValueError):
         return None

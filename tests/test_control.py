@@ -4,11 +4,13 @@ gradient of an uneven micro-batch split equal to the even split's."""
 import json
 import logging
 import os
+import time
+import tracemalloc
 
 import pytest
 
-from mitigation.control import (ControlFile, ControlWriter, Plan, PlanError, atomic_write_json,
-                                loss_scale)
+from mitigation.control import (MAX_DOC_BYTES, ControlFile, ControlWriter, Plan, PlanError,
+                                atomic_write_json, loss_scale)
 
 
 def test_issue_poll_ack_round_trip(tmp_path):
@@ -59,6 +61,48 @@ def test_bad_documents_keep_the_last_good_plan(tmp_path, caplog, content, why):
     assert why in caplog.text and "keeping plan seq 1" in caplog.text
     with pytest.raises((PlanError, ValueError)):
         Plan.from_dict(json.loads(content))
+
+
+def _hostile(kind: str, path, tmp_path) -> None:
+    """Put a hostile document at `path` (already holding a good plan)."""
+    if kind == "huge":                     # 4 GiB, sparse: no disk spent
+        with open(tmp_path / "huge", "wb") as fh:
+            fh.truncate(4 << 30)
+        os.replace(tmp_path / "huge", path)
+    elif kind == "nested":                 # under the size limit, too deep to parse
+        path.write_text("[" * (MAX_DOC_BYTES - 1))
+    elif kind == "symlink_to_zero":        # endless bytes, swapped in by rename
+        (tmp_path / "link").symlink_to("/dev/zero")
+        os.replace(tmp_path / "link", path)
+    elif kind == "fifo":                   # an open() that would wait for a writer
+        os.mkfifo(tmp_path / "fifo")
+        os.replace(tmp_path / "fifo", path)
+    elif kind == "grown_past_limit":       # a trailing plan after a megabyte of spaces
+        path.write_text(" " * MAX_DOC_BYTES + '{"v": 1, "seq": 9, "strategy": "none"}')
+
+
+@pytest.mark.parametrize("kind", ["huge", "nested", "symlink_to_zero", "fifo",
+                                  "grown_past_limit"])
+def test_hostile_control_files_are_refused_in_bounded_time_and_memory(tmp_path, caplog, kind):
+    path = tmp_path / "control.json"
+    good = ControlWriter(path).issue("rebalance_microbatches", microbatches={0: 3, 1: 5})
+    ctl = ControlFile(path, rank=1)
+    assert ctl.poll() == good
+    _hostile(kind, path, tmp_path)
+    (tmp_path / "tool").mkdir()            # the tool reads a trainer's acks the same way
+    tool = ControlWriter(tmp_path / "tool" / "control.json")
+    _hostile(kind, tmp_path / "tool" / "control.json.ack.1", tmp_path)
+    tracemalloc.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="greyhound.control"):
+        assert ctl.poll() is None
+    assert tool.ack_docs() == {}
+    elapsed = time.monotonic() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert ctl.plan == good and ctl.rejected == 1
+    assert "rejected" in caplog.text and "keeping plan seq 1" in caplog.text
+    assert elapsed < 2.0 and peak < 8 * MAX_DOC_BYTES, (elapsed, peak)
 
 
 def test_writer_refuses_symlinks(tmp_path):
