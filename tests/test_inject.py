@@ -45,7 +45,8 @@ def test_compute_for_expires(sleeper):
     assert leftover_groups() == before and group_of(sleeper.pid) == home
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=lambda s: s.name)
 def test_compute_undone_on_signal(sleeper, sig):
     before = leftover_groups()
     p = start_inject("compute", "--pid", str(sleeper.pid), "--quota", "0.3")

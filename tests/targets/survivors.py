@@ -5,7 +5,7 @@ peer dies inside a collective, gloo throws, the survivors catch it, form a
 new group of the ranks left (on --port2) and go on for --after steps.
 
 Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-set. Prints `lost: ...` when the collective fails, `regrouped N` and
+set. Prints `lost: ...` when the collective fails, `regrouped N at NS` and
 `done` at the end; exit 0 then, 3 if the second group fails too."""
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main() -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], args.port2, len(left),
                           is_master=rank == left[0], timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=left.index(rank), world_size=len(left))
-    print(f"regrouped {len(left)}", flush=True)
+    print(f"regrouped {len(left)} at {time.time_ns()}", flush=True)
     try:
         for _ in range(args.after):
             dist.all_reduce(t)
