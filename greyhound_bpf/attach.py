@@ -78,6 +78,7 @@ class AttachOptions:
     tui: bool = False
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    metrics_tls: dict | None = None  # prometheus-client's certfile, keyfile, client_cafile
     validate: bool = True           # benchmark devices and links after a job slowdown
     pause_max_s: float = PAUSE_MAX_S
     pause_budget: float = PAUSE_BUDGET
@@ -252,9 +253,10 @@ class AttachSession:
         try:
             if self.opts.metrics_port is not None:
                 from .output.metrics import Metrics
-                self.metrics = Metrics(self.opts.metrics_port, self.opts.metrics_addr)
+                self.metrics = Metrics(self.opts.metrics_port, self.opts.metrics_addr,
+                                       self.opts.metrics_tls)
                 self.sinks.append(self.metrics)
-                self.say(f"metrics on http://{self.opts.metrics_addr}:{self.metrics.port}/metrics")
+                self.say(f"metrics on {self.metrics.url}")
             from .engine import warm_up
             warm_up()          # from the Numba cache; compiles only on a cold one
             if self.opts.tui:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -77,6 +78,32 @@ def _listen(text: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
     return addr or "127.0.0.1", p
+
+
+def _metrics_tls(args, addr: str, port: int | None) -> dict | None:
+    """prometheus-client's TLS options from --metrics-cert/-key/-client-ca;
+    refuses plain HTTP on an address other than loopback unless asked."""
+    import ipaddress
+    if args.metrics_key and not args.metrics_cert or args.metrics_cert and not args.metrics_key:
+        raise GreyhoundError("--metrics-cert and --metrics-key go together", exit_code=2)
+    if args.metrics_client_ca and not args.metrics_cert:
+        raise GreyhoundError("--metrics-client-ca needs TLS: --metrics-cert and --metrics-key",
+                             exit_code=2)
+    for f in (args.metrics_cert, args.metrics_key, args.metrics_client_ca):
+        if f and not os.path.isfile(f):
+            raise GreyhoundError(f"no such file: {f}", exit_code=2)
+    if port is None or args.metrics_cert:
+        return {"certfile": args.metrics_cert, "keyfile": args.metrics_key,
+                "client_cafile": args.metrics_client_ca} if args.metrics_cert else None
+    try:
+        loopback = ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = addr == "localhost"
+    if not loopback and not args.metrics_plaintext:
+        raise GreyhoundError(
+            f"--metrics {addr}:{port} is reachable from the network: serve it over TLS "
+            "(--metrics-cert FILE --metrics-key FILE), or say --metrics-plaintext", exit_code=2)
+    return None
 
 
 def _pid(text: str) -> int:
@@ -165,7 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     a.add_argument("--metrics", type=_listen, metavar="[ADDR:]PORT",
                    help="serve Prometheus metrics on ADDR:PORT (default address loopback; "
-                        "PORT 0: any free port), as the exporters spell it")
+                        "PORT 0: any free port), as the exporters spell it; an address "
+                        "other than loopback needs TLS (--metrics-cert/--metrics-key) or "
+                        "--metrics-plaintext")
+    a.add_argument("--metrics-cert", metavar="FILE",
+                   help="serve metrics over TLS with this certificate (PEM)")
+    a.add_argument("--metrics-key", metavar="FILE", help="its private key (PEM)")
+    a.add_argument("--metrics-client-ca", metavar="FILE",
+                   help="with TLS: scrapers must present a certificate signed by this CA")
+    a.add_argument("--metrics-plaintext", action="store_true",
+                   help="serve plain HTTP on a non-loopback address (anyone who reaches "
+                        "it reads the job's ranks, pids and verdicts)")
     # The spelling before --metrics, kept for one release.
     a.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="deprecated: --metrics PORT")
@@ -289,6 +326,7 @@ def cmd_attach(args) -> int:
     addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)
     if args.metrics_addr and args.metrics_port is None and not args.metrics:
         raise GreyhoundError("--metrics-addr needs a port: --metrics ADDR:PORT")
+    tls = _metrics_tls(args, addr, port)
     opts = AttachOptions(
         pids=pids, json_path=out, record_path=args.record, calls=args.calls,
         duration=args.duration,
@@ -298,6 +336,7 @@ def cmd_attach(args) -> int:
         min_probability=args.min_probability, control_file=args.control_file,
         mitigate=args.mitigate, microbatches=args.microbatches,
         restart_estimate_s=args.restart_cost, metrics_port=port, metrics_addr=addr,
+        metrics_tls=tls,
         timestamps=args.timestamp, validate=not args.no_validate,
         pause_max_s=args.pause_max, pause_budget=args.pause_budget,
         tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)

@@ -1,5 +1,7 @@
 """Prometheus metrics (`attach --metrics [ADDR:]PORT`), served with
-prometheus-client on loopback by default. Fed by the same events as every
+prometheus-client on loopback by default, over TLS (prometheus-client's own
+options; mutual TLS with a client CA) when a certificate is given, which an
+address other than loopback needs unless --metrics-plaintext. Fed by the same events as every
 other consumer, plus per-call counts from the tracer's batches.
 
     greyhound_build_info{version}               1
@@ -42,7 +44,7 @@ from ..events import is_speed_sample
 
 
 class Metrics:
-    def __init__(self, port: int, addr: str = "127.0.0.1"):
+    def __init__(self, port: int, addr: str = "127.0.0.1", tls: dict | None = None):
         self.registry = r = CollectorRegistry()
         self.iteration = Gauge("greyhound_iteration_seconds", "Last iteration time of a rank",
                                ["rank"], registry=r)
@@ -73,12 +75,17 @@ class Metrics:
         self.plan_seq = Gauge("greyhound_plan_seq", "seq of the last plan written", registry=r)
         self.actions = Counter("greyhound_actions", "Policy decisions", ["strategy", "mode"],
                                registry=r)
+        tls = {k: v for k, v in (tls or {}).items() if v}
+        if tls.get("client_cafile"):
+            tls["client_auth_required"] = True
         try:
-            self.server, self.thread = start_http_server(port, addr=addr, registry=r)
-        except OSError as e:
-            raise GreyhoundError(f"--metrics {addr}:{port}: cannot listen there ({e})",
+            self.server, self.thread = start_http_server(port, addr=addr, registry=r, **tls)
+        except OSError as e:      # ssl.SSLError (a bad certificate or key) is an OSError
+            raise GreyhoundError(f"--metrics {addr}:{port}: cannot serve there ({e})",
                                  exit_code=1) from None
         self.port = self.server.server_port
+        host = f"[{addr}]" if ":" in addr else addr
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.port}/metrics"
 
     def _name_stragglers(self, ranks: set[str]) -> None:
         for r in self.named - ranks:
