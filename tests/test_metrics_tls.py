@@ -76,5 +76,5 @@ def test_a_bad_certificate_is_one_line(tmp_path):
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
     from greyhound_bpf import GreyhoundError
-    with pytest.raises(GreyhoundError, match="cannot serve there"):
+    with pytest.raises(GreyhoundError, match="cannot serve TLS with them"):
         Metrics(0, "127.0.0.1", {"certfile": str(junk), "keyfile": str(junk)})

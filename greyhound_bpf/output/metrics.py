@@ -36,6 +36,7 @@ a straggler: only a diagnosis names one. No label is called `job`
 from __future__ import annotations
 
 import socket
+import ssl
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -80,8 +81,11 @@ class Metrics:
             tls["client_auth_required"] = True
         try:
             self.server, self.thread = start_http_server(port, addr=addr, registry=r, **tls)
-        except OSError as e:      # ssl.SSLError (a bad certificate or key) is an OSError
-            raise GreyhoundError(f"--metrics {addr}:{port}: cannot serve there ({e})",
+        except ssl.SSLError as e:
+            raise GreyhoundError(f"--metrics-cert/--metrics-key: cannot serve TLS with them ({e})",
+                                 exit_code=1) from None
+        except OSError as e:
+            raise GreyhoundError(f"--metrics {addr}:{port}: cannot listen there ({e})",
                                  exit_code=1) from None
         self.port = self.server.server_port
         host = f"[{addr}]" if ":" in addr else addr
