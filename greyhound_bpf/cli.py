@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     inj.add_argument("--undo-all", action="store_true",
                      help="undo every injection left behind (cgroups, qdiscs, GPU clocks)")
     isub = inj.add_subparsers(dest="fault", metavar="FAULT")
-    ic = isub.add_parser("compute", help="lower a process's CPU quota (cgroup v1)")
+    ic = isub.add_parser("compute", help="lower a process's CPU quota (cgroup v1 or v2, "
+                                         "found at run time)")
     ic.add_argument("--pid", type=_pid, required=True, help="the process (a rank)")
     ic.add_argument("--quota", type=_positive, required=True, metavar="CPUS",
                     help="CPUs it may use, e.g. 0.5")
@@ -452,8 +453,14 @@ def cmd_validate(args) -> int:
 
 def cmd_check(args) -> int:
     from rich.console import Console
-    from .probe.check import exit_code, render, run_checks
+    from .inject import cpu_controller
+    from .probe.check import OK, WARN, Row, exit_code, render, run_checks
     rows = run_checks(pid=args.pid, try_load=not args.no_load)
+    try:   # for `inject compute` and the demo only: tracing does not need it
+        rows.append(Row("cgroup cpu controller", OK, cpu_controller().describe()))
+    except GreyhoundError as e:
+        rows.append(Row("cgroup cpu controller", WARN, f"{e} (`inject compute` and the demo "
+                        "need it; tracing does not)"))
     Console().print(render(rows))
     code = exit_code(rows)
     print("tracing can work" if code == 0 else "tracing cannot work until the FAIL lines are fixed")

@@ -1,7 +1,13 @@
 """Fault injection: slow a process, a link or a GPU down for real, and undo it.
 
-- ``CpuQuota`` puts a process in a cgroup v1 CPU group of its own with a
-  CFS quota (the CPU analogue of locking a GPU's clock).
+- ``CpuQuota`` puts a process in a CPU cgroup of its own with a CFS quota
+  (the CPU analogue of locking a GPU's clock), on whichever hierarchy holds
+  the cpu controller, found at run time (``cpu_controller``): cgroup v1
+  (``cpu.cfs_quota_us``, every thread moved) or v2 (``cpu.max``, the process
+  moved through ``cgroup.procs``). On v2 the group is a child of the rank's
+  own cgroup when the hierarchy allows it (the rank alone there), else of
+  the nearest ancestor that can hold one, so a container's own limit still
+  applies where it can; undo puts the process back where it was.
 - ``LinkRate`` puts a tbf rate limit on a network interface (this kernel has
   no netem), as competing traffic on a link would.
 - ``GpuClock`` locks a GPU's clock through NVML, where the driver allows it.
@@ -20,10 +26,12 @@ import subprocess
 import uuid
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from . import GreyhoundError
+from .diagnosis.host import _cgroup_mounts
 from .probe.discovery import threads_of
 
-CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 STATE_DIR = Path(os.environ.get("GREYHOUND_STATE_DIR", "/run/greyhound/inject"))
 # The tbf qdisc's handle ("gh"): how undo_all recognises our qdiscs.
 TBF_HANDLE = "6768:"
@@ -36,52 +44,145 @@ PERIOD_US = 2_000
 MIN_QUOTA_US = 1_000
 
 
+@dataclass(frozen=True)
+class CpuController:
+    """Where the cpu controller is: a cgroup v1 hierarchy or cgroup v2."""
+    version: int
+    root: Path
+
+    def describe(self) -> str:
+        return f"cgroup v{self.version} at {self.root}"
+
+
+def cpu_controller() -> CpuController:
+    """The hierarchy that holds the cpu controller now: a v1 mount with
+    `cpu`, or else the v2 mount whose root offers `cpu`."""
+    mounts = _cgroup_mounts()
+    for key, mnt in mounts.items():
+        if key and "cpu" in key.split(","):
+            return CpuController(1, mnt)
+    v2 = mounts.get("")
+    if v2 is not None:
+        try:
+            if "cpu" in (v2 / "cgroup.controllers").read_text().split():
+                return CpuController(2, v2)
+        except OSError:
+            pass
+    raise GreyhoundError("no cgroup cpu controller here: neither a cgroup v1 `cpu` hierarchy "
+                         "nor `cpu` in cgroup v2's cgroup.controllers", exit_code=1)
+
+
+def cgroup_path(pid: int, ctl: CpuController) -> Path:
+    """The cgroup of `pid` in the cpu controller's hierarchy."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if (ctl.version == 1 and "cpu" in controllers.split(",")) or \
+                (ctl.version == 2 and hid == "0" and controllers == ""):
+            return ctl.root / path.lstrip("/")
+    return ctl.root
+
+
+def _words(f: Path) -> list[str]:
+    try:
+        return f.read_text().split()
+    except OSError:
+        return []
+
+
 class CpuQuota:
-    def __init__(self, pid: int, quota: float, root: Path = CPU_ROOT):
+    def __init__(self, pid: int, quota: float, controller: CpuController | None = None):
         if not quota > 0:
             raise GreyhoundError(f"quota must be positive (cores), not {quota}")
-        if not (root / "cpu.cfs_quota_us").exists():
-            raise GreyhoundError(f"no cgroup v1 cpu controller at {root}", exit_code=1)
-        if not os.path.exists(f"/proc/{pid}"):
-            raise GreyhoundError(f"no process with PID {pid}")
-        self.pid, self.quota, self.root = pid, quota, root
         if quota < 0.001:
             raise GreyhoundError(f"quota {quota} is below the kernel's 1 ms per second")
-        self.group = root / f"{GROUP_PREFIX}{pid}-{uuid.uuid4().hex[:8]}"
+        if not os.path.exists(f"/proc/{pid}"):
+            raise GreyhoundError(f"no process with PID {pid}")
+        self.ctl = controller or cpu_controller()
+        self.pid, self.quota = pid, quota
+        self.name = f"{GROUP_PREFIX}{pid}-{uuid.uuid4().hex[:8]}"
+        self.group = self.ctl.root / self.name        # v2: placed by apply()
         self._origin: Path | None = None
+        self._enabled: Path | None = None             # v2: where we turned on +cpu
 
-    def _origin_group(self) -> Path:
-        for line in Path(f"/proc/{self.pid}/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if "cpu" in controllers.split(","):
-                return self.root / path.lstrip("/")
-        return self.root
+    def limit(self) -> tuple[int, int]:
+        """(quota_us, period_us) as the kernel holds them."""
+        if self.ctl.version == 1:
+            return (int((self.group / "cpu.cfs_quota_us").read_text()),
+                    int((self.group / "cpu.cfs_period_us").read_text()))
+        q, per = (self.group / "cpu.max").read_text().split()
+        return int(q), int(per)
 
     def apply(self) -> "CpuQuota":
-        self._origin = self._origin_group()
-        self.group.mkdir()
+        self._origin = cgroup_path(self.pid, self.ctl)
         # The kernel takes quotas of 1 ms at least: a small share needs a
         # longer period (0.3 CPU: 1 ms every 3.3 ms).
         period = min(1_000_000, max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.quota)))
-        (self.group / "cpu.cfs_period_us").write_text(str(period))
-        (self.group / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US,
-                                                               int(self.quota * period))))
-        # Every thread: in cgroup v1 a thread moves on its own.
-        for tid in threads_of(self.pid):
-            try:
-                (self.group / "tasks").write_text(str(tid))
-            except OSError:
-                pass   # exited meanwhile
-        _save_state(self.group.name, {"kind": "compute", "group": str(self.group),
-                                      "origin": str(self._origin), "pid": self.pid})
+        quota = max(MIN_QUOTA_US, int(self.quota * period))
+        if self.ctl.version == 1:
+            self.group.mkdir()
+            (self.group / "cpu.cfs_period_us").write_text(str(period))
+            (self.group / "cpu.cfs_quota_us").write_text(str(quota))
+            # Every thread: in cgroup v1 a thread moves on its own.
+            for tid in threads_of(self.pid):
+                try:
+                    (self.group / "tasks").write_text(str(tid))
+                except OSError:
+                    pass   # exited meanwhile
+        else:
+            self._apply_v2(quota, period)
+        _save_state(self.name, {"kind": "compute", "version": self.ctl.version,
+                                "group": str(self.group), "origin": str(self._origin),
+                                "enabled": str(self._enabled) if self._enabled else None,
+                                "pid": self.pid})
         return self
+
+    def _apply_v2(self, quota: int, period: int) -> None:
+        origin = self._origin
+        alone = _words(origin / "cgroup.procs") == [str(self.pid)]
+        parent = None
+        for c in [origin, *origin.parents]:
+            if c != self.ctl.root and self.ctl.root not in c.parents:
+                break
+            if "cpu" in _words(c / "cgroup.subtree_control") and c != origin:
+                parent = c
+                break
+            if "cpu" not in _words(c / "cgroup.controllers"):
+                continue
+            # +cpu needs a cgroup without processes (the root is exempt):
+            # the rank's own group qualifies once the rank, alone in it,
+            # has moved into the child.
+            if c == self.ctl.root or (c == origin and alone) or \
+                    (c != origin and not _words(c / "cgroup.procs")):
+                parent = c
+                break
+        if parent is None:
+            raise GreyhoundError(f"no cgroup v2 group around pid {self.pid} can take the cpu "
+                                 "controller (its own holds other processes)", exit_code=1)
+        self.group = parent / self.name
+        self.group.mkdir()
+        try:
+            if parent == origin:
+                (self.group / "cgroup.procs").write_text(str(self.pid))
+            if "cpu" not in _words(parent / "cgroup.subtree_control"):
+                (parent / "cgroup.subtree_control").write_text("+cpu")
+                self._enabled = parent
+            (self.group / "cpu.max").write_text(f"{quota} {period}")
+            if parent != origin:
+                (self.group / "cgroup.procs").write_text(str(self.pid))
+        except OSError as e:
+            _release_v2(self.group, origin, self._enabled)
+            raise GreyhoundError(f"cgroup v2 refused the quota for pid {self.pid} ({e})",
+                                 exit_code=1) from None
 
     def undo(self) -> None:
         if not self.group.exists():
             return
-        back = self._origin if self._origin and self._origin.exists() else self.root
-        _empty_group(self.group, back)
-        _drop_state(self.group.name)
+        back = self._origin if self._origin and self._origin.exists() else self.ctl.root
+        if self.ctl.version == 1:
+            _empty_group(self.group, back)
+        else:
+            _release_v2(self.group, back, self._enabled)
+        _drop_state(self.name)
 
     def __enter__(self) -> "CpuQuota":
         return self.apply()
@@ -90,8 +191,17 @@ class CpuQuota:
         self.undo()
 
 
-def leftover_groups(root: Path = CPU_ROOT) -> list[Path]:
-    return sorted(root.glob(f"{GROUP_PREFIX}*")) if root.exists() else []
+def leftover_groups() -> list[Path]:
+    """Our CPU groups on every hierarchy (the controller may have moved)."""
+    found = []
+    for key, mnt in _cgroup_mounts().items():
+        if key == "":
+            for d, subdirs, _ in os.walk(mnt):
+                found += [Path(d) / s for s in subdirs if s.startswith(GROUP_PREFIX)]
+                subdirs[:] = [s for s in subdirs if not s.startswith(GROUP_PREFIX)]
+        elif "cpu" in key.split(","):
+            found += mnt.glob(f"{GROUP_PREFIX}*")
+    return sorted(found)
 
 
 def _empty_group(group: Path, back: Path) -> None:
@@ -101,6 +211,31 @@ def _empty_group(group: Path, back: Path) -> None:
         except OSError:
             pass   # exited meanwhile
     group.rmdir()
+
+
+def _release_v2(group: Path, back: Path, enabled: Path | None) -> None:
+    """Processes back to `back`, the group removed, and +cpu turned off
+    where we turned it on once no group of ours needs it there. A cgroup
+    with controllers on for its children holds no processes, so when the
+    rank's own group is `enabled`, +cpu goes off first."""
+    def off():
+        if enabled is not None and not any(
+                p.name.startswith(GROUP_PREFIX) and p != group for p in enabled.iterdir()
+                if p.is_dir()):
+            try:
+                (enabled / "cgroup.subtree_control").write_text("-cpu")
+            except OSError:
+                pass   # someone below enabled it meanwhile: leave it on
+    if enabled == back:
+        off()
+    for pid in _words(group / "cgroup.procs"):
+        try:
+            (back / "cgroup.procs").write_text(pid)
+        except OSError:
+            pass       # exited meanwhile
+    group.rmdir()
+    if enabled != back:
+        off()
 
 
 def _save_state(name: str, doc: dict) -> None:
@@ -232,9 +367,9 @@ class GpuClock:
         self.undo()
 
 
-def undo_all(root: Path = CPU_ROOT) -> list[str]:
-    """Undo every injection left behind: greyhound cgroups (their tasks go
-    back to the group they came from, or the root), tbf qdiscs with our
+def undo_all() -> list[str]:
+    """Undo every injection left behind: greyhound cgroups (their processes
+    go back to the group they came from, or the root), tbf qdiscs with our
     handle on any interface, GPU clocks we locked. Returns what was undone."""
     done = []
     states = {}
@@ -244,10 +379,15 @@ def undo_all(root: Path = CPU_ROOT) -> list[str]:
                 states[f.stem] = json.loads(f.read_text())
             except (OSError, ValueError):
                 pass
-    for group in leftover_groups(root):
-        origin = Path(states.get(group.name, {}).get("origin") or root)
+    for group in leftover_groups():
+        st = states.get(group.name, {})
+        origin = Path(st.get("origin") or group.parent)
+        origin = origin if origin.exists() else group.parent
         try:
-            _empty_group(group, origin if origin.exists() else root)
+            if (group / "tasks").exists():
+                _empty_group(group, origin)
+            else:
+                _release_v2(group, origin, Path(st["enabled"]) if st.get("enabled") else None)
             done.append(f"cgroup {group}")
         except OSError as e:
             done.append(f"cgroup {group}: could not remove ({e})")

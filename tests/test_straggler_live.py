@@ -1,6 +1,6 @@
 """Ground truth for a computation straggler (issue #4): a 4-rank gloo DDP job
-under `attach`; rank 2 gets half the CPU it was using (cgroup v1 CFS
-quota). The passive diagnosis names rank 2 with cause `computation` (from
+under `attach`; rank 2 gets half the CPU it was using (a CFS quota, on
+cgroup v1 here and on v2 in test_cgroup_v2.py). The passive diagnosis names rank 2 with cause `computation` (from
 the slowdown, or from comparing the ranks with each other), validation
 names the same, and no verdict ever names another rank or cause.
 

@@ -8,7 +8,7 @@ the default budget (1% of any 10 minutes), and this bench measures the
 verdicts (scripts/bench_soak measures the budget). After a healthy phase (which counts for false diagnoses), each
 scenario picks a random rank, a random kind and a random onset:
 
-- compute: the rank gets half the CPU it was using (cgroup v1 CFS quota);
+- compute: the rank gets half the CPU it was using (a CFS quota, cgroup v1 or v2);
 - link: the host side of the rank's veth is rate-limited (tc tbf, 400mbit).
 
 The fault lasts until a validated diagnosis arrives (or --timeout), then is
