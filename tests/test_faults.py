@@ -21,6 +21,45 @@ from harness import ROOT, free_port
 from greyhound_bpf.output.jsonl import JsonLinesWriter
 
 
+def _machine() -> dict:
+    """What a row may leave behind: processes of ours or of the jobs, CPU
+    groups, tbf qdiscs and network namespaces, probes (perf-event fds and
+    tracefs uprobes)."""
+    from greyhound_bpf.inject import TBF_HANDLE, leftover_groups
+    ours = ("greyhound_bpf", "greyhound-trace", "demo_train.py", "user_train.py",
+            "survivors.py", "diagnosis/worker.py")
+    procs = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and any(o in cmd for o in ours):
+            procs.add(cmd.replace("\0", " ")[:120])
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {"processes": sorted(procs), "cgroups": leftover_groups(),
+            "tbf": [q for q in qdiscs.splitlines() if TBF_HANDLE in q],
+            "netns": sorted(netns.split()), "perf_event_fds": perf_event_fds(),
+            "uprobe_events": uprobe_events()}
+
+
+@pytest.fixture(autouse=True)
+def machine_as_found():
+    """After every row, nothing the row added is left on the machine (once
+    its own fixtures have stopped what they started)."""
+    before = _machine()
+    yield
+
+    def added() -> dict:
+        now = _machine()
+        out = {k: sorted(set(map(str, v)) - set(map(str, before[k])))
+               for k, v in now.items() if k != "perf_event_fds"}
+        out["perf_event_fds"] = max(0, now["perf_event_fds"] - before["perf_event_fds"])
+        return {k: v for k, v in out.items() if v}
+    wait_for(lambda: not added(), 30, "the machine as the row found it", why=added)
+
+
 def test_events_to_a_full_device_are_counted_not_fatal(record_property):
     w = JsonLinesWriter("/dev/full")               # every write: ENOSPC
     for i in range(5000):
