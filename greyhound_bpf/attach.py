@@ -4,13 +4,11 @@
          validator (on request) --^      |  `validation` requests -> validator
          control file acks --------^      `action` plans -> control file (--mitigate)
 
-preflight (PIDs, privileges, libraries) -> load BPF -> attach to each target
--> loop { drain the ring buffer; rescan the process tree; read acks; report
-lost records; feed every input to the analysis (and to --record); route its
-events } -> detach everything. Every exit path (targets gone, Ctrl-C,
-SIGTERM, --duration, an error) goes through the same teardown, so no uprobe
-is left behind; a SIGKILLed tracer leaves none either, because its probes
-are perf-event fds the kernel closes.
+preflight -> load BPF -> attach to each target -> loop { drain the ring
+buffer; rescan; read acks; report losses; feed every input to the analysis
+(and --record); route its events } -> detach everything. Every exit path
+goes through the same teardown, so no uprobe is left behind; a SIGKILLed
+tracer leaves none either: its probes are perf-event fds the kernel closes.
 """
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, TextIO
 
 import numpy as np
@@ -27,7 +26,7 @@ import numpy as np
 from . import GreyhoundError
 from .analysis import (Acks, Activity, AnalysisConfig, Calls, JobAnalysis, PlanWritten,
                        Targets, Tick, Validated)
-from .diagnosis.host import PAUSE_MAX_S, Background, busy_since
+from .diagnosis.host import PAUSE_MAX_S, Background, busy_since, describe_rank
 from .diagnosis.planner import PAUSE_BUDGET
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 from .events import make_event
@@ -359,7 +358,7 @@ class AttachSession:
         if attached or first:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
             self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),
-                      ranks=[t.describe() for t, _ in attached],
+                      ranks=[describe_rank(t, self.gpus) for t, _ in attached],
                       probes=sum(len(ps) for _, ps in attached), functions=fns,
                       subprocesses=self._subprocesses())
             for t, ps in attached:
@@ -440,11 +439,14 @@ class AttachSession:
 
     # -- validation ----------------------------------------------------------
 
+    @cached_property
+    def gpus(self) -> list:
+        from .diagnosis.gpus import nvml_gpus
+        return nvml_gpus()
+
     def _members(self, ranks: list[int]):
-        from .diagnosis.host import gpu_count, member_of
-        if not hasattr(self, "_gpus"):
-            self._gpus = gpu_count()
-        return [member_of(t.pid, t.rank, t.local_rank, self._gpus)
+        from .diagnosis.host import member_of
+        return [member_of(t.pid, t.rank, t.local_rank, self.gpus)
                 for pid, t in sorted(self.known.items())
                 if t.rank in ranks and pid not in self.exited_pids
                 and os.path.exists(f"/proc/{pid}")]

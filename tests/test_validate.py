@@ -321,3 +321,17 @@ def test_workers_that_never_answer_time_out_and_are_killed(tmp_path):
     assert any("no answer in time" in u for u in res.untested), res.untested
     left = subprocess.run(["pgrep", "-f", "sleep 617"], capture_output=True, text=True).stdout
     assert left == ""
+
+
+def test_a_rank_whose_gpu_is_unknown_is_not_measured_as_another():
+    """A GPU rank whose device could not be placed (diagnosis/gpus.py) gets
+    no GEMM, said in `untested`: before, it was measured on GPU 0. Real
+    workers (on the CPU here; the rule is the placement, not the device)."""
+    from greyhound_bpf.diagnosis.host import Member
+    from greyhound_bpf.diagnosis.validator import Validator
+    env = {"MASTER_ADDR": "127.0.0.1"}
+    res = Validator([Member(0, env=env), Member(1, env=env, placement="unknown: no local rank")],
+                    pause=False).run()
+    assert sorted(res.devices) == [0], res.devices
+    assert any(u.startswith("rank 1: its GPU is unknown: no local rank") for u in res.untested)
+    assert "0<->1" in res.links or any("links" in u for u in res.untested), res

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..probe.discovery import read_environ, read_stat, threads_of
+from .gpus import Gpu, Placement, open_minors, place
 
 # Longest the job may be paused by one validation (`--pause-max`): a
 # watchdog process resumes it then, even if the tracer is killed.
@@ -37,21 +38,9 @@ class Member:
     cgroups: list[Path] = field(default_factory=list)   # cgroup.procs files
     affinity: set[int] | None = None
     env: dict[str, str] = field(default_factory=dict)
-
-
-def gpu_count() -> int:
-    """NVIDIA GPUs on this machine; 0 without a driver (never an error)."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
-    finally:
-        pynvml.nvmlShutdown()
+    # GPU ranks: how their GPU was found, or "unknown: why" (its GEMM is
+    # then not measured; its links are measured from the worker's cuda:0).
+    placement: str = ""
 
 
 def _cgroup_key(ctrls) -> str:
@@ -112,11 +101,38 @@ def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
         affinity = os.sched_getaffinity(pid)
     except OSError:
         affinity = None
-    # One GPU visible to the rank (Slurm, many launchers): it is cuda:0.
-    visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    device = ("cuda:0" if len(visible) == 1 else f"cuda:{local_rank or 0}") if gpus else "cpu"
-    return Member(rank, pid, device, netns, cgroups_of(pid), affinity,
-                  {k: env[k] for k in PASS_ENV if k in env})
+    passed = {k: env[k] for k in PASS_ENV if k in env and k != "CUDA_VISIBLE_DEVICES"}
+    device, placement = "cpu", ""
+    if gpus:
+        # The worker runs on the host: it sees the rank's GPU by UUID, as its
+        # only device, whatever the rank's own (maybe a container's) view.
+        p = rank_gpu(pid, local_rank, gpus, env)
+        device, placement = "cuda:0", p.how if p.uuid else f"unknown: {p.how}"
+        if p.uuid:
+            passed["CUDA_VISIBLE_DEVICES"] = p.uuid
+    return Member(rank, pid, device, netns, cgroups_of(pid), affinity, passed, placement)
+
+
+def describe_rank(t, gpus: list[Gpu]) -> dict:
+    """A target's description for the `attach` event, with, where there are
+    GPUs, the one it uses (`gpu`, a UUID or null) and how that was found."""
+    d = t.describe()
+    if gpus:
+        p = rank_gpu(t.pid, t.local_rank, gpus)
+        d.update(gpu=p.uuid, gpu_how=p.how)
+    return d
+
+
+def rank_gpu(pid: int, local_rank: int | None, gpus: list[Gpu],
+             env: dict[str, str] | None = None) -> Placement:
+    """The GPU `pid` uses (diagnosis/gpus.py), from its environment, the
+    devices it has open and its local rank."""
+    try:
+        same_ns = os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        same_ns = True
+    return place(read_environ(pid) if env is None else env, local_rank, gpus,
+                 open_minors(pid), same_ns)
 
 
 class SpanReport:

@@ -36,8 +36,8 @@ import time
 
 from .. import GreyhoundError
 from ..probe.discovery import read_stat
-from .host import (PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, gpu_count,
-                   member_of)
+from .gpus import nvml_gpus
+from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of
 from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
 
@@ -151,8 +151,14 @@ class Validator:
             if ready:
                 pids = [m.pid for m in self.members if m.pid] if self.pause else []
                 pause = Pause(pids, self.pause_max_s, self.report)
+                unplaced = [m for m in self.members if m.placement.startswith("unknown")]
+                for m in unplaced:
+                    res.untested.append(f"rank {m.rank}: its GPU is {m.placement} (its links "
+                                        "are measured from the worker's first GPU)")
+                skip = {m.rank for m in unplaced}
                 with pause:
-                    self._gemms([r for r in ready if devices is None or r in devices], res)
+                    self._gemms([r for r in ready if (devices is None or r in devices)
+                                 and r not in skip], res)
                     if not self.edges:
                         pass                     # devices only (a recheck)
                     elif len(ready) == len(self.members):
@@ -189,7 +195,7 @@ class Validator:
             try:
                 self.workers[m.rank] = Worker(
                     Member(self.index[m.rank], m.pid, m.device, m.netns, m.cgroups,
-                           m.affinity, m.env), n, STEP_TIMEOUT_S, self.python)
+                           m.affinity, m.env, m.placement), n, STEP_TIMEOUT_S, self.python)
             except OSError as e:
                 res.untested.append(f"rank {m.rank}: worker did not start ({e})")
         deadline = time.monotonic() + self.start_timeout_s
@@ -394,17 +400,20 @@ def members_for_job(pids: list[int]) -> list[Member]:
         raise GreyhoundError(
             f"no ranks under PID {', '.join(map(str, pids))}: no process there has RANK "
             "(or an MPI/Slurm rank variable) and a probed library mapped")
-    gpus = gpu_count()
+    gpus = nvml_gpus()
     return [member_of(t.pid, t.rank, t.local_rank, gpus) for t in ranked]
+
 
 def precheck_members(world: int) -> list[Member]:
     """`--world N` before a job starts: N workers on this host, one per GPU
-    when there are GPUs."""
-    gpus = gpu_count()
-    if gpus and world > gpus:
-        raise GreyhoundError(f"--world {world} but this machine has {gpus} GPU(s)")
-    return [Member(r, device=f"cuda:{r}" if gpus else "cpu",
-                   env={"MASTER_ADDR": "127.0.0.1"}) for r in range(world)]
+    (each sees its GPU by UUID as cuda:0) when there are GPUs."""
+    gpus = [g for g in nvml_gpus() if g.uuid.startswith("GPU-")]
+    if gpus and world > len(gpus):
+        raise GreyhoundError(f"--world {world} but this machine has {len(gpus)} GPU(s)")
+    return [Member(r, device="cuda:0" if gpus else "cpu",
+                   env={"MASTER_ADDR": "127.0.0.1",
+                        **({"CUDA_VISIBLE_DEVICES": gpus[r].uuid} if gpus else {})},
+                   placement=f"GPU {gpus[r].index}" if gpus else "") for r in range(world)]
 
 # -- a warm pool for a live job -----------------------------------------------------
 

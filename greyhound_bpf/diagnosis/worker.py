@@ -40,15 +40,17 @@ def reply(doc: dict) -> None:
     sys.stdout.flush()
 
 
-def nvml_evidence(index: int) -> dict:
-    """Clocks, temperature and throttle reasons of GPU `index`; {} without NVML."""
+def nvml_evidence(device: str) -> dict:
+    """Clocks, temperature and throttle reasons of a GPU, named as NVML
+    takes it: a UUID (GPU-... or MIG-...) or an index; {} without NVML."""
     try:
         import pynvml
         pynvml.nvmlInit()
     except Exception:
         return {}
     try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        h = (pynvml.nvmlDeviceGetHandleByUUID(device) if not device.isdigit()
+             else pynvml.nvmlDeviceGetHandleByIndex(int(device)))
         return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
                 "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
                 "temperature_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
@@ -59,12 +61,12 @@ def nvml_evidence(index: int) -> dict:
         pynvml.nvmlShutdown()
 
 
-def nvml_index(cuda_index: int) -> int:
-    """NVML numbers GPUs physically; CUDA after CUDA_VISIBLE_DEVICES."""
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if cuda_index < len(visible) and visible[cuda_index].strip().isdigit():
-        return int(visible[cuda_index])
-    return cuda_index
+def nvml_device(cuda_index: int) -> str:
+    """How NVML names CUDA's device `cuda_index`: the worker's
+    CUDA_VISIBLE_DEVICES entry (a UUID, as validation sets it) or index."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return visible[cuda_index] if cuda_index < len(visible) else str(cuda_index)
 
 
 class Worker:
@@ -124,7 +126,7 @@ class Worker:
         out = {"ms_per_gemm": elapsed / count * 1e3,
                "gflops": 2 * size ** 3 * count / elapsed / 1e9, "gemms": count}
         if self.device.type == "cuda":
-            out["nvml"] = nvml_evidence(nvml_index(self.device.index or 0))
+            out["nvml"] = nvml_evidence(nvml_device(self.device.index or 0))
         return out
 
     def _pingpong(self, peer: int, buf, first: bool) -> float:

@@ -5,8 +5,10 @@ address other than loopback needs unless --metrics-plaintext. Fed by the same ev
 other consumer, plus per-call counts from the tracer's batches.
 
     greyhound_build_info{version}               1
-    greyhound_rank_info{rank,local_rank,pid,node}  1 per rank attached (join
-                                                with DCGM's Hostname on node)
+    greyhound_rank_info{rank,local_rank,pid,node,gpu_uuid}  1 per rank attached
+                                                (join with DCGM's Hostname on
+                                                node, its UUID on gpu_uuid;
+                                                empty without a GPU)
     greyhound_iteration_seconds{rank}           last iteration time of a rank
     greyhound_iteration_duration_seconds{rank}  histogram of iteration times
                                                 (rate() of its _count:
@@ -55,7 +57,7 @@ class Metrics:
         Gauge("greyhound_build_info", "Greyhound's version", ["version"],
               registry=r).labels(version=__version__).set(1)
         self.rank_info = Gauge("greyhound_rank_info", "A rank attached",
-                               ["rank", "local_rank", "pid", "node"], registry=r)
+                               ["rank", "local_rank", "pid", "node", "gpu_uuid"], registry=r)
         self.node = socket.gethostname()
         self.diagnoses = Counter("greyhound_diagnoses", "Verdicts", ["cause", "evidence"],
                                  registry=r)
@@ -129,7 +131,8 @@ class Metrics:
             for t in ev.get("ranks", []):
                 self.rank_info.labels(rank=_label(t.get("rank")),
                                       local_rank=_label(t.get("local_rank")),
-                                      pid=str(t["pid"]), node=self.node).set(1)
+                                      pid=str(t["pid"]), node=self.node,
+                                      gpu_uuid=t.get("gpu") or "").set(1)
         elif kind == "activity" and ev.get("what") == "pause" and ev.get("end_ns"):
             self.paused.inc(max(0, ev["end_ns"] - ev["start_ns"]) / 1e9)
         elif kind == "lost":
