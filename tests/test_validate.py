@@ -335,3 +335,34 @@ def test_a_rank_whose_gpu_is_unknown_is_not_measured_as_another():
     assert sorted(res.devices) == [0], res.devices
     assert any(u.startswith("rank 1: its GPU is unknown: no local rank") for u in res.untested)
     assert "0<->1" in res.links or any("links" in u for u in res.untested), res
+
+
+def test_cpu_workers_stay_warm_and_gpu_workers_do_not():
+    """attach's validation service keeps CPU workers idle between requests
+    (importing torch costs seconds), but never keeps GPU workers: each would
+    hold a CUDA context on the job's GPU. (No GPU here: the GPU workers fail
+    to start, and nothing of them may be left either way.)"""
+    import queue
+    from greyhound_bpf.diagnosis.host import Member
+    from greyhound_bpf.diagnosis.validator import Service
+    got = queue.SimpleQueue()
+    svc = Service(lambda kind, payload: got.put((kind, payload)), time.time_ns)
+    try:
+        def result(request_id):
+            while True:
+                kind, payload = got.get(timeout=120)
+                if kind == "result" and payload[0] == request_id:
+                    return payload[1]
+        env = {"MASTER_ADDR": "127.0.0.1"}
+        cpu = [Member(0, env=env), Member(1, env=env)]
+        svc.request(1, cpu, [(0, 1)])
+        assert sorted(result(1).devices) == [0, 1]
+        assert svc.pool is not None and svc.pool.alive() and len(workers_left()) == 2
+        gpu = [Member(0, device="cuda:0", env=env), Member(1, device="cuda:0", env=env)]
+        svc.request(2, gpu, [(0, 1)])
+        res = result(2)
+        assert res.devices == {} and res.untested, res
+        assert svc.pool is None
+        wait_for(lambda: workers_left() == [], 15, "no worker left")
+    finally:
+        svc.close()

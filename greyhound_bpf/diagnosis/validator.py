@@ -422,7 +422,10 @@ class Service:
     request. Workers for the job's ranks are started at the first request
     (importing torch costs CPU seconds: a healthy job never pays them) and
     kept idle afterwards (blocked on a pipe, SCHED_IDLE); they are started
-    again when the ranks change or one died.
+    again when the ranks change or one died. Workers on GPUs are not kept:
+    each holds a CUDA context (hundreds of MiB, and none at all under
+    EXCLUSIVE_PROCESS or on a nearly full GPU), so they exit after every
+    validation, and the job's GPUs hold nothing of ours in between.
 
     Calls come from the tracer's thread and never block it; what happens
     comes back through `post(kind, payload)`: ("activity", (id, what,
@@ -436,7 +439,7 @@ class Service:
         self.post, self.pause_max_s, self.python = post, pause_max_s, python
         self.report = SpanReport(lambda *span: post("activity", span), clock)
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.key: tuple | None = None          # the (rank, pid) set the pool is for
+        self.key: tuple | None = None          # the (rank, pid, device) set the pool is for
         self.pool: Validator | None = None
         self.closing = False
         self.thread = threading.Thread(target=self._run, name="greyhound-validate",
@@ -474,7 +477,8 @@ class Service:
 
     def _measure(self, request_id: int, members: list[Member],
                  edges: list[tuple[int, int]], devices: list[int] | None = None) -> Result:
-        key = tuple(sorted((m.rank, m.pid) for m in members))
+        key = tuple(sorted((m.rank, m.pid, m.device, m.env.get("CUDA_VISIBLE_DEVICES", ""))
+                           for m in members))
         pool = self.pool
         if pool is None or key != self.key or pool.broken or not pool.alive():
             if pool is not None:
@@ -485,10 +489,18 @@ class Service:
                                          progress=lambda msg: self.post("progress", msg))
             untested = pool.start()
             if not pool.ready:
+                self._drop_pool()
                 return Result(untested=untested or ["no validation workers"])
             self.post("progress", f"{len(pool.ready)} validation workers ready")
         else:
             untested = []
         res = pool.measure(edges, devices)
         res.untested = untested + res.untested
+        if any(m.device.startswith("cuda") for m in members):
+            self._drop_pool()
         return res
+
+    def _drop_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool, self.key = None, None
