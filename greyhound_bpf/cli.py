@@ -35,16 +35,19 @@ examples:
   greyhound-trace replay run.rec.gz --no-iterations --threshold 0.2 -o ev.jsonl
 """
 
+INJECT_DEFAULT_S = 600.0
+
 EPILOG_INJECT = """\
 examples:
   sudo greyhound-trace inject compute --pid 4242 --quota 0.5 --for 60
-  sudo greyhound-trace inject link --dev eth1 --rate 400mbit      # until Ctrl-C
+  sudo greyhound-trace inject link --dev eth1 --rate 400mbit --for 0   # until Ctrl-C
   sudo greyhound-trace inject gpu-clock --gpu 3 --mhz 900 --for 120
   sudo greyhound-trace inject --undo-all       # clean up after a killed inject
 
-An injection lasts while the command runs: it is undone when --for expires,
-on Ctrl-C and on SIGTERM. Only SIGKILL can leave one behind; --undo-all
-removes it.
+An injection lasts while the command runs: it is undone when --for expires
+(10 minutes unless said), on Ctrl-C, SIGTERM and SIGHUP. Only SIGKILL can
+leave one behind; --undo-all removes it (a GPU clock included: what each
+injection changed is kept in /run/greyhound/inject).
 """
 
 EPILOG_VALIDATE = """\
@@ -113,6 +116,16 @@ def _pid(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"not a PID: {text!r}")
+    return v
+
+
+def _nonnegative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
     return v
 
 
@@ -266,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--gpu", type=int, required=True, metavar="N", help="GPU index")
     ig.add_argument("--mhz", type=int, required=True, metavar="F", help="clock in MHz")
     for q in (ic, il, ig):
-        q.add_argument("--for", dest="seconds", type=_positive, metavar="S",
-                       help="undo after S seconds (default: on Ctrl-C or SIGTERM)")
+        q.add_argument("--for", dest="seconds", type=_nonnegative, default=INJECT_DEFAULT_S,
+                       metavar="S", help=f"undo after S seconds (default {INJECT_DEFAULT_S:g}, "
+                       "so a forgotten one ends; 0: only on Ctrl-C or SIGTERM)")
 
     v = sub.add_parser("validate", help="benchmark each device and link, name the slow one",
                        description="GEMM per device and p2p ping-pong per ring edge (concurrent\n"
@@ -390,8 +404,8 @@ def cmd_inject(args) -> int:
     old = {sig: signal.signal(sig, lambda s, f: stop.append(s))
            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     deadline = time.monotonic() + args.seconds if args.seconds else None
+    fault.apply()          # a refused one undoes nothing (not someone else's lock)
     try:
-        fault.apply()
         until = f"for {args.seconds:g} s" if deadline else "until Ctrl-C"
         print(f"greyhound-trace: {what} {until}", flush=True)
         while not stop and (deadline is None or time.monotonic() < deadline):

@@ -344,6 +344,9 @@ class GpuClock:
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
 
     def apply(self) -> "GpuClock":
+        if (STATE_DIR / f"{self.name}.json").exists():
+            raise GreyhoundError(f"GPU {self.index} is already locked by another greyhound "
+                                 "inject (or one that was killed: inject --undo-all)")
         try:
             self.nvml.nvmlDeviceSetGpuLockedClocks(self.handle, self.mhz, self.mhz)
         except self.nvml.NVMLError as e:
@@ -354,10 +357,19 @@ class GpuClock:
         return self
 
     def undo(self) -> None:
+        """Unlock the clocks. NVML has no call that reads a lock back, so a
+        lock someone else had set before is not restored: apply() refuses
+        to run over a state file of another greyhound lock, and the README
+        says to check `nvidia-smi -q -d CLOCK` first."""
         try:
             self.nvml.nvmlDeviceResetGpuLockedClocks(self.handle)
         except self.nvml.NVMLError:
             pass
+        finally:
+            try:
+                self.nvml.nvmlShutdown()
+            except self.nvml.NVMLError:
+                pass
         _drop_state(self.name)
 
     def __enter__(self) -> "GpuClock":

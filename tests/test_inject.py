@@ -133,3 +133,54 @@ def test_bad_input_is_one_line():
 def test_parse_rate():
     assert parse_rate("400mbit") == 400_000_000 and parse_rate("1gbit") == 10**9
     assert parse_rate("64kbit") == 64_000
+
+
+@pytest.fixture
+def stand_in_nvml(tmp_path):
+    """`inject` run with tests/stand_ins/pynvml.py (a stand-in: no GPU here)
+    and a state directory of its own."""
+    log = tmp_path / "nvml.log"
+    env = dict(__import__("os").environ, GH_STAND_IN_NVML_LOG=str(log),
+               GREYHOUND_STATE_DIR=str(tmp_path / "state"),
+               PYTHONPATH=f"{ROOT / 'tests' / 'stand_ins'}:{ROOT}")
+    return env, log
+
+
+def _inject(env, *args, **kw):
+    return subprocess.Popen([*GREYHOUND, "inject", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, **kw)
+
+
+def test_gpu_clock_is_unlocked_and_nvml_shut_down(stand_in_nvml):
+    env, log = stand_in_nvml
+    out, _ = _inject(env, "gpu-clock", "--gpu", "1", "--mhz", "900", "--for", "0.5").communicate(
+        timeout=60)
+    assert "locked at 900 MHz for 0.5 s" in out and "undone" in out, out
+    assert log.read_text().splitlines() == ["Init", "SetGpuLockedClocks 1 900 900",
+                                            "ResetGpuLockedClocks 1", "Shutdown"]
+
+
+def test_gpu_clock_left_by_kill_9_is_undone_from_its_state_file(stand_in_nvml):
+    env, log = stand_in_nvml
+    p = _inject(env, "gpu-clock", "--gpu", "1", "--mhz", "900", "--for", "0")
+    wait_for(lambda: "SetGpuLockedClocks" in (log.read_text() if log.exists() else ""), 30,
+             "the lock")
+    p.kill()
+    p.wait()
+    # A second lock on that GPU is refused while the first one's state is there.
+    again = _inject(env, "gpu-clock", "--gpu", "1", "--mhz", "700", "--for", "1")
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 2 and "already locked" in out, out
+    out, _ = _inject(env, "--undo-all").communicate(timeout=60)
+    assert "GPU 1 clocks reset" in out, out
+    assert log.read_text().splitlines()[-2:] == ["ResetGpuLockedClocks 1", "Shutdown"]
+    out, _ = _inject(env, "--undo-all").communicate(timeout=60)
+    assert "nothing to undo" in out
+
+
+def test_every_injection_has_a_limit():
+    from greyhound_bpf.cli import INJECT_DEFAULT_S, build_parser
+    for fault in (["compute", "--pid", "1", "--quota", "0.5"], ["link", "--dev", "lo",
+                                                                 "--rate", "1mbit"],
+                  ["gpu-clock", "--gpu", "0", "--mhz", "900"]):
+        assert build_parser().parse_args(["inject", *fault]).seconds == INJECT_DEFAULT_S > 0
