@@ -76,3 +76,28 @@ def test_cuda_stops_at_the_first_empty_entry():
 def test_no_nvidia_device_open_here():
     assert open_minors(os.getpid()) == set()
     assert open_minors(2 ** 22 + 7) == set()          # no such process
+
+
+def _stand_in_nvml(monkeypatch, tmp_path, busy_s: float):
+    """tests/stand_ins/pynvml.py (a stand-in, named as such: no GPU here)."""
+    import importlib.util
+    from pathlib import Path
+    monkeypatch.setenv("GH_STAND_IN_NVML_LOG", str(tmp_path / "nvml.log"))
+    monkeypatch.setenv("GH_STAND_IN_NVML_BUSY_S", str(busy_s))
+    spec = importlib.util.spec_from_file_location(
+        "stand_in_pynvml", Path(__file__).parent / "stand_ins" / "pynvml.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_pause_waits_for_queued_gpu_work(monkeypatch, tmp_path):
+    from greyhound_bpf.diagnosis.gpus import wait_drained
+    nvml = _stand_in_nvml(monkeypatch, tmp_path, busy_s=0.4)
+    drained, waited = wait_drained([H100[0].uuid, H100[1].uuid], 2.0, nvml=nvml)
+    assert drained and 0.35 < waited < 1.5, waited
+    nvml = _stand_in_nvml(monkeypatch, tmp_path, busy_s=30)
+    drained, waited = wait_drained([H100[0].uuid], 0.5, nvml=nvml)
+    assert not drained and 0.5 <= waited < 1.5
+    assert (tmp_path / "nvml.log").read_text().split().count("Shutdown") == 2
+    assert wait_drained([], 2.0) == (True, 0.0)

@@ -22,7 +22,9 @@ CALL_FIELDS = ("count", "dtype", "op", "peer", "root", "comm", "stream", "nranks
 def nvidia_target():
     p = subprocess.Popen([sys.executable, str(TARGETS / "nvidia_calls.py"), "5"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert json.loads(p.stdout.readline()) == {"ready": True}
+    ready = json.loads(p.stdout.readline())
+    assert ready["ready"]
+    p.gpu = ready["gpu"]          # the target makes safe calls on a GPU host too
     yield p
     if p.poll() is None:
         p.kill()
@@ -69,8 +71,9 @@ def test_every_call_seen_once_with_exact_arguments(nvidia_target, tracer):
     # The comm out-parameter is read at return: NULL after a failed init,
     # not the pointer value that was passed in.
     init = [c for c in calls if c["fn"] == "ncclCommInitRank"]
-    assert len(init) == 1 and init[0]["comm"] == 0 and init[0]["nranks"] == 4
-    assert init[0]["comm_rank"] == 2 and init[0]["rank"] is None
+    assert len(init) == 1 and init[0]["rank"] is None
+    if not nvidia_target.gpu:      # else one real rank (its fields checked above)
+        assert (init[0]["comm"], init[0]["nranks"], init[0]["comm_rank"]) == (0, 4, 2)
     # bytes = count x dtype size for NCCL calls.
     ar = next(c for c in calls if c["fn"] == "ncclAllReduce")
     assert ar["bytes"] == ar["count"] * 4
@@ -127,7 +130,7 @@ def test_probes_of_an_exited_rank_are_released(tracer):
                for _ in range(2)]
     try:
         for p in targets:
-            assert json.loads(p.stdout.readline()) == {"ready": True}
+            assert json.loads(p.stdout.readline())["ready"]
         t = tracer([p.pid for p in targets], "-q")
         t.wait_attached(2)
         wait_for(lambda: _fds_of(t.proc.pid) == 2 * 2 * 22, 10, "44 perf-event fds")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from dataclasses import dataclass
 
 NVIDIA_MAJOR = 195          # /dev/nvidiaN; minor 255 is /dev/nvidiactl
@@ -151,3 +152,43 @@ def place(env: dict[str, str], local_rank: int | None, gpus: list[Gpu],
 def _pci_order(env: dict[str, str], whole: list[Gpu]) -> bool:
     """Whether CUDA's indices follow NVML's (PCI bus) order."""
     return env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" or len({g.name for g in whole}) <= 1
+
+
+# After SIGSTOP the ranks' queued GPU work still runs (NCCL kernels spin on
+# stopped peers). Validation waits this long at most for it to drain.
+DRAIN_MAX_S = 2.0
+IDLE_PCT = 5
+
+
+def wait_drained(uuids: list[str], timeout_s: float = DRAIN_MAX_S, nvml=None,
+                 poll_s: float = 0.05) -> tuple[bool, float]:
+    """Once the ranks are stopped: wait until their GPUs run none of the
+    job's queued work (NVML utilization under IDLE_PCT%: the share of its
+    last sample period in which a kernel ran), at most `timeout_s`.
+    Returns (drained, seconds waited); (True, 0) without NVML or GPUs."""
+    if not uuids:
+        return True, 0.0
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return True, 0.0
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return True, 0.0
+    t0 = time.monotonic()
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByUUID(u) for u in uuids]
+        while True:
+            busy = [nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
+            waited = time.monotonic() - t0
+            if max(busy) < IDLE_PCT:
+                return True, waited
+            if waited >= timeout_s:
+                return False, waited
+            time.sleep(poll_s)
+    except Exception:
+        return True, time.monotonic() - t0      # a GPU NVML cannot read: not waited on
+    finally:
+        nvml.nvmlShutdown()

@@ -36,7 +36,7 @@ import time
 
 from .. import GreyhoundError
 from ..probe.discovery import read_stat
-from .gpus import nvml_gpus
+from .gpus import nvml_gpus, wait_drained
 from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of
 from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
@@ -157,6 +157,7 @@ class Validator:
                                         "are measured from the worker's first GPU)")
                 skip = {m.rank for m in unplaced}
                 with pause:
+                    self._drain(pause, res)
                     self._gemms([r for r in ready if (devices is None or r in devices)
                                  and r not in skip], res)
                     if not self.edges:
@@ -223,6 +224,18 @@ class Validator:
             except WorkerError as e:
                 res.untested.append(f"rank {r}: {e}")
         return ready
+
+    def _drain(self, pause: Pause, res: Result) -> None:
+        """GPU work the ranks queued before SIGSTOP still runs: wait for it
+        (diagnosis/gpus.py), or say that the GEMMs ran beside it."""
+        uuids = sorted({m.env["CUDA_VISIBLE_DEVICES"] for m in self.members
+                        if m.device.startswith("cuda") and "CUDA_VISIBLE_DEVICES" in m.env})
+        if not pause.pids or not uuids:
+            return
+        drained, waited = wait_drained(uuids)
+        if not drained:
+            res.untested.append(f"a clean GPU: the job's queued work still ran {waited:.1f} s "
+                                "into the pause, and the GEMMs were timed beside it")
 
     def _gemm_seconds(self, ready: list[int]) -> tuple[bool, float]:
         """(GPUs?, seconds per GEMM window). On CPUs a window spans several

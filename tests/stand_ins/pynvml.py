@@ -2,9 +2,15 @@
 an NVIDIA driver and GPU, which these machines do not have. Only
 tests/test_inject.py's GPU-clock tests put it first on PYTHONPATH, to check
 what `inject gpu-clock` asks of NVML, and that `inject --undo-all` undoes it
-after a kill -9. It records every call, one line each, in $GH_STAND_IN_NVML_LOG
-and has $GH_STAND_IN_NVML_GPUS GPUs (default 2)."""
+after a kill -9, and tests/test_gpus.py's wait for queued GPU work to drain.
+It records every call, one line each, in $GH_STAND_IN_NVML_LOG, has
+$GH_STAND_IN_NVML_GPUS GPUs (default 2), and reports them 100% busy for
+$GH_STAND_IN_NVML_BUSY_S seconds after nvmlInit (default 0)."""
 import os
+import time
+from types import SimpleNamespace
+
+_init_at = [0.0]
 
 
 class NVMLError(Exception):
@@ -17,6 +23,7 @@ def _log(*words) -> None:
 
 
 def nvmlInit():
+    _init_at[0] = time.monotonic()
     _log("Init")
 
 
@@ -40,3 +47,12 @@ def nvmlDeviceSetGpuLockedClocks(h, lo, hi):
 
 def nvmlDeviceResetGpuLockedClocks(h):
     _log("ResetGpuLockedClocks", h[1])
+
+
+def nvmlDeviceGetHandleByUUID(uuid):
+    return ("gpu", uuid)
+
+
+def nvmlDeviceGetUtilizationRates(h):
+    busy = time.monotonic() - _init_at[0] < float(os.environ.get("GH_STAND_IN_NVML_BUSY_S", "0"))
+    return SimpleNamespace(gpu=100 if busy else 0, memory=0)
