@@ -119,22 +119,23 @@ def _pid(text: str) -> int:
     return v
 
 
-def _nonnegative(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        v = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _nonnegative(text: str) -> float:
+    v = _number(text)
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
     return v
 
 
 def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if v <= 0:
+    v = _number(text)
+    if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return v
 
@@ -147,10 +148,7 @@ def _probability(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    v = _number(text)
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1: {text!r}")
     return v
