@@ -57,7 +57,7 @@ def cpu_on_v2():
         yield ctl
     finally:
         left = leftover_groups()
-        for g in left:                     # a failed test's; say so, then clean
+        if left:                           # a failed test's; said below, cleaned first
             run_cli("inject", "--undo-all")
         try:
             if "cpu" in (v2 / "cgroup.subtree_control").read_text().split():
