@@ -116,6 +116,12 @@ class Plan:
         return sum(self.microbatches.values()) if self.microbatches else None
 
 
+def even_split(total: int, ranks: int) -> list[int]:
+    """`total` micro-batches over `ranks` ranks, the first ones one more."""
+    base, extra = divmod(total, ranks)
+    return [base + (1 if i < extra else 0) for i in range(ranks)]
+
+
 def loss_scale(world: int, total_microbatches: int) -> float:
     """Per-micro-batch loss scale that keeps the all-reduced gradient equal to
     the gradient of the whole global batch, however the micro-batches are

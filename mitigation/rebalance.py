@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .control import even_split  # noqa: F401  (re-exported: the policy's and tests' import)
+
 
 class RebalanceError(ValueError):
     pass
@@ -40,11 +42,6 @@ class Rebalance:
     @property
     def speedup(self) -> float:
         return self.even_makespan / self.makespan
-
-
-def even_split(total: int, ranks: int) -> list[int]:
-    base, extra = divmod(total, ranks)
-    return [base + (1 if i < extra else 0) for i in range(ranks)]
 
 
 def _check(per_microbatch, total: int, caps) -> tuple[np.ndarray, np.ndarray]:

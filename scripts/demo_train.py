@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+import torch.nn as nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from mitigation.distributed import Greyhound  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -100,55 +102,29 @@ def main(argv=None) -> int:
         gens = ckpt["generators"]
         if len(gens) == world:
             gen.set_state(gens[rank])
-    my_mb = even_split(total_mb, world)[rank]
     if log and os.environ.get("GREYHOUND_LAYER_SPLIT"):
         # This demo model has no pipeline stages: it records the split a
         # pipeline trainer would build its stages from.
         log.write(json.dumps({"rank": rank, "layer_split": [
             int(x) for x in os.environ["GREYHOUND_LAYER_SPLIT"].split(",")], "step": step}) + "\n")
-    ctl = None
-    if args.control_file:
-        from mitigation.control import RESTART_EXIT_CODE, ControlFile, loss_scale
-        ctl = ControlFile(args.control_file, rank=rank, dp_rank=rank)
-        ctl.announce(microbatches=my_mb, world=world, checkpoint=bool(args.checkpoint))
-    seen: dict[int, object] = {}          # plans this rank has read, by seq
-    applied_seq = ckpt["seq"] if ckpt else 0
+    # Greyhound's plans (mitigation.distributed): the same micro-batch split
+    # on every rank at every step, and the loss scale that keeps the
+    # gradient the global batch's; without --control-file, the even split.
+    gh = Greyhound(args.control_file or "", microbatches=args.microbatches,
+                   total_microbatches=total_mb, checkpoint=bool(args.checkpoint),
+                   applied_seq=ckpt["seq"] if ckpt else 0)
     exit_code = 0
     try:
         while args.steps == 0 or step < args.steps:
             if args.idle_ms:
                 time.sleep(args.idle_ms / 1000)
-            if ctl is not None:
-                plan = ctl.poll()         # one stat() when nothing changed
-                if plan is not None:
-                    seen[plan.seq] = plan
-                # Apply a plan only once every rank has read it, all at the same
-                # iteration boundary: one 8-byte all-reduce per step.
-                newest = torch.tensor([max(seen, default=0)], dtype=torch.int64)
-                dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-                agreed = seen.get(int(newest.item()))
-                if agreed is not None and agreed.seq > applied_seq:
-                    applied_seq = agreed.seq
-                    # A pipeline re-split is applied at restart too: checkpoint,
-                    # exit; greyhound-run relaunches with the new split.
-                    if agreed.strategy in ("checkpoint_restart", "reconfigure_pipeline") \
-                            and args.checkpoint:
-                        save_checkpoint(args.checkpoint, model, opt, step, total_mb, gen,
-                                        rank, world, agreed.seq)
-                        ctl.ack(agreed)
-                        if rank == 0:
-                            ctl.request_restart(agreed, args.checkpoint)
-                        exit_code = RESTART_EXIT_CODE
-                        break
-                    mb = agreed.microbatches
-                    if mb is not None and sum(mb.values()) == total_mb and len(mb) == world:
-                        my_mb = agreed.microbatches_for(rank, my_mb)
-                    ctl.ack(agreed, microbatches=my_mb)
-                # Same scale on every rank: the all-reduced gradient is the
-                # global batch's gradient whatever the split.
-                scale = loss_scale(world, total_mb)
-            else:
-                scale = 1.0 / my_mb
+            s = gh.step()
+            if s.restart:       # checkpoint_restart, or a pipeline re-split (at restart)
+                save_checkpoint(args.checkpoint, model, opt, step, total_mb, gen,
+                                rank, world, s.restart.seq)
+                exit_code = gh.restart(args.checkpoint)
+                break
+            my_mb, scale = s.microbatches, s.loss_scale
             t0 = time.time_ns()
             opt.zero_grad(set_to_none=True)
             total = 0.0
@@ -187,11 +163,6 @@ def main(argv=None) -> int:
     gc.collect()
     dist.destroy_process_group()
     return exit_code
-
-
-def even_split(total: int, ranks: int) -> list[int]:
-    base, extra = divmod(total, ranks)
-    return [base + (1 if i < extra else 0) for i in range(ranks)]
 
 
 def save_checkpoint(path, model, opt, step, total_mb, gen, rank, world, seq) -> None:
