@@ -1,0 +1,189 @@
+"""mitigation.distributed on real gloo DDP jobs: ranks that read a plan at
+different steps still apply it at the same step, the global batch holds at
+every step, the parameters stay identical on every rank, and the three
+examples (plain PyTorch, Accelerate, Megatron-style) follow a plan."""
+from __future__ import annotations
+
+import subprocess
+from collections import defaultdict
+
+import pytest
+
+from harness import BIN, ROOT, free_port, kill_tree, read_jsonl, wait_for
+from mitigation.control import ControlWriter
+
+
+def torchrun(tmp_path, nproc: int, script, *args: str) -> subprocess.Popen:
+    out = open(tmp_path / f"{script.stem}.out", "w")
+    return subprocess.Popen([str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
+                             "--master-port", str(free_port()), str(script), *args],
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def by_step(rows: list[dict]) -> dict[int, dict[int, dict]]:
+    steps: dict[int, dict[int, dict]] = defaultdict(dict)
+    for r in rows:
+        steps[r["step"]][r["rank"]] = r
+    return steps
+
+
+def check_in_step(rows: list[dict], nproc: int, total: int) -> dict[int, dict[int, dict]]:
+    """Every complete step: the split sums to the global count, every rank
+    applied the same plan, and the parameters are the same everywhere."""
+    steps = by_step(rows)
+    for step, ranks in sorted(steps.items()):
+        if len(ranks) < nproc:
+            continue                              # the last step, being written
+        assert sum(r["microbatches"] for r in ranks.values()) == total, (step, ranks)
+        assert len({r["seq"] for r in ranks.values()}) == 1, (step, ranks)
+        params = [r["params"] for r in ranks.values()]
+        assert max(params) - min(params) <= 1e-4 * max(1.0, abs(params[0])), (step, ranks)
+    return steps
+
+
+def first_step(steps, seq: int) -> int | None:
+    return min((s for s, ranks in steps.items() if any(r["seq"] >= seq for r in ranks.values())),
+               default=None)
+
+
+@pytest.mark.slow
+def test_ranks_reading_a_plan_at_different_steps_apply_it_at_the_same_step(tmp_path):
+    nproc, total = 3, 12
+    template = str(tmp_path / "ctl.{rank}.json")
+    log = tmp_path / "steps.jsonl"
+    proc = torchrun(tmp_path, nproc, ROOT / "tests" / "targets" / "agree.py", template, str(log))
+    writers = [ControlWriter(template.format(rank=r)) for r in range(nproc)]
+    try:
+        wait_for(lambda: len(read_jsonl(log)) >= 3 * nproc, 120, "the job to train")
+
+        def steps_done() -> int:
+            return max((r["step"] for r in read_jsonl(log)), default=-1)
+
+        # Plan 1 reaches rank 0's copy, then rank 1's, then rank 2's, some
+        # steps apart: nobody may apply it until the last rank has read it.
+        split = {0: 3, 1: 4, 2: 5}
+        for r in range(nproc):
+            writers[r].issue("rebalance_microbatches", microbatches=split, seq=1)
+            if r < nproc - 1:
+                at = steps_done()
+                wait_for(lambda: steps_done() >= at + 5, 60, "five steps")
+                assert all(x["seq"] == 0 for x in read_jsonl(log)), "applied before all read it"
+        wait_for(lambda: any(x["seq"] == 1 for x in read_jsonl(log)), 60, "plan 1 applied")
+        # Plan 2 reaches ranks 0 and 1 only; plan 3 replaces it everywhere.
+        writers[0].issue("rebalance_microbatches", microbatches={0: 6, 1: 3, 2: 3}, seq=2)
+        writers[1].issue("rebalance_microbatches", microbatches={0: 6, 1: 3, 2: 3}, seq=2)
+        at = steps_done()
+        wait_for(lambda: steps_done() >= at + 5, 60, "five steps")
+        # Plan 3 reaches rank 2 first: the others hold 2, rank 2 never had
+        # it, so neither may apply (the newest everyone read is not one plan).
+        split3 = {0: 2, 1: 2, 2: 8}
+        writers[2].issue("rebalance_microbatches", microbatches=split3, seq=3)
+        at = steps_done()
+        wait_for(lambda: steps_done() >= at + 5, 60, "five steps")
+        assert all(x["seq"] <= 1 for x in read_jsonl(log)), "applied before all read it"
+        for r in (0, 1):
+            writers[r].issue("rebalance_microbatches", microbatches=split3, seq=3)
+        wait_for(lambda: any(x["seq"] == 3 for x in read_jsonl(log)), 60, "plan 3 applied")
+        # A plan for another world (stale): acked, nothing changes.
+        for r in range(nproc):
+            writers[r].issue("rebalance_microbatches", microbatches={0: 6, 1: 6}, seq=4)
+        wait_for(lambda: any(x["seq"] == 4 for x in read_jsonl(log)), 60, "plan 4 acked")
+        at = steps_done()
+        wait_for(lambda: steps_done() >= at + 2, 60, "two steps")
+        (tmp_path / "ctl.stop.json").touch()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_tree(proc)
+    rows = read_jsonl(log)
+    steps = check_in_step(rows, nproc, total)
+    assert not any(x["seq"] == 2 for x in rows)
+    s1, s3, s4 = first_step(steps, 1), first_step(steps, 3), first_step(steps, 4)
+    for step, seq, want in ((s1, 1, split), (s3, 3, split3), (s4, 4, split3)):
+        ranks = steps[step]
+        assert {r: ranks[r]["microbatches"] for r in ranks} == want, (seq, ranks)
+        assert all(ranks[r]["seq"] == seq for r in ranks)
+        before = steps[step - 1]
+        assert all(before[r]["seq"] < seq for r in before)
+    assert all(r["loss_scale"] == pytest.approx(nproc / total) for r in rows)
+    acks = {r: writers[r].ack_docs()[r] for r in range(nproc)}   # each in its own copy's place
+    assert all(a["seq"] == 4 for a in acks.values())
+    assert {r: a["microbatches"] for r, a in acks.items()} == split3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example,args", [
+    ("plain_pytorch", ("--microbatches", "4")),
+    ("accelerate_loop", ("--accumulation", "4")),
+    ("megatron_style", ("--global-batch", "128", "--micro-batch", "16")),
+])
+def test_an_example_follows_a_plan(tmp_path, example, args):
+    """Each runnable example applies a rebalance on both ranks at one step
+    and stays in step (same parameters) with the uneven split."""
+    ctl, log = tmp_path / "ctl.json", tmp_path / "steps.jsonl"
+    proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "40",
+                    "--control-file", str(ctl), "--step-log", str(log), *args)
+    try:
+        wait_for(lambda: len(read_jsonl(log)) >= 4, 120, f"{example} to train")
+        announced = ControlWriter(ctl).ack_docs()
+        assert {r: a["microbatches"] for r, a in announced.items()} == {0: 4, 1: 4}
+        ControlWriter(ctl).issue("rebalance_microbatches", microbatches={0: 6, 1: 2})
+        assert proc.wait(timeout=120) == 0, (tmp_path / f"{example}.out").read_text()[-3000:]
+    finally:
+        kill_tree(proc)
+    rows = read_jsonl(log)
+    steps = check_in_step(rows, 2, 8)
+    assert len(steps) == 40
+    first = first_step(steps, 1)
+    assert first is not None and first < 40, "the plan was never applied"
+    assert {r: x["microbatches"] for r, x in steps[first].items()} == {0: 6, 1: 2}
+    acks = ControlWriter(ctl).ack_docs()
+    assert {r: (a["seq"], a["microbatches"]) for r, a in acks.items()} == {0: (1, 6), 1: (1, 2)}
+
+
+@pytest.fixture
+def one_rank_group(tmp_path, monkeypatch):
+    """A real one-rank gloo group in this process, its all-reduces counted."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    yield calls
+    dist.destroy_process_group()
+
+
+def test_without_a_control_file_nothing_is_read_or_reduced(one_rank_group, monkeypatch):
+    from mitigation.distributed import Greyhound
+    monkeypatch.delenv("GREYHOUND_CONTROL_FILE", raising=False)
+    gh = Greyhound(None, microbatches=3)
+    steps = [gh.step() for _ in range(3)]
+    assert [(s.microbatches, s.loss_scale, s.plan) for s in steps] == [(3, 1 / 3, None)] * 3
+    assert one_rank_group == []
+
+
+def test_the_restart_handshake(one_rank_group, tmp_path):
+    from mitigation.control import RESTART_EXIT_CODE, read_doc
+    from mitigation.distributed import Greyhound
+    ctl = tmp_path / "ctl.json"
+    gh = Greyhound(ctl, microbatches=2, checkpoint=True)
+    assert gh.step().restart is None and len(one_rank_group) == 1
+    ControlWriter(ctl).issue("checkpoint_restart", restart={"checkpoint": True, "exclude": [3]})
+    s = gh.step()
+    assert s.restart is not None and s.restart.seq == 1 and s.plan is None
+    assert gh.restart(tmp_path / "ckpt.pt") == RESTART_EXIT_CODE
+    req = read_doc(f"{ctl}.restart")
+    assert (req["seq"], req["checkpoint"], req["exclude"]) == (1, str(tmp_path / "ckpt.pt"), [3])
+    assert read_doc(f"{ctl}.ack.0")["seq"] == 1
+    with pytest.raises(RuntimeError):
+        gh.restart(tmp_path / "ckpt.pt")             # once per plan
+
+
+def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path):
+    from mitigation.distributed import Greyhound
+    ctl = tmp_path / "ctl.json"
+    gh = Greyhound(ctl, microbatches=2)
+    ControlWriter(ctl).issue("checkpoint_restart", restart={"checkpoint": True})
+    s = gh.step()
+    assert s.restart is None and s.plan.seq == 1 and s.microbatches == 2
+    assert not (tmp_path / "ctl.json.restart").exists()
