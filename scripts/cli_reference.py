@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- cli:begin (scripts/cli_reference.py) -->", "<!-- cli:end -->"
 COMMANDS = [["greyhound-trace", "attach"], ["greyhound-trace", "replay"],
+            ["greyhound-trace", "report"], ["greyhound-trace", "validate"],
             ["greyhound-trace", "inject"], ["greyhound-trace", "check"], ["greyhound-run"]]
 
 

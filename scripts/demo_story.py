@@ -129,6 +129,10 @@ def summarize(work: Path, t: dict) -> int:
           f", validated {'rank ' + str(vnamed) if vnamed is not None else 'no'}"
           f", rebalance {'yes' if applied else 'no'}, recovery {'yes' if even_applied else 'no'}"
           f" (events and logs in {work})", flush=True)
+    # The post-mortem page: what `greyhound-trace report` writes.
+    from greyhound_bpf.output.report import render
+    (work / "report.html").write_text(render(evs, source="events.jsonl"))
+    print(f"demo: report: {work / 'report.html'} (open it in a browser)", flush=True)
     return 0 if ok else 1
 
 

@@ -2,6 +2,7 @@
 view, end to end as CI runs it: detection, the straggler named, the
 rebalance applied, the even split after the slowdown, and nothing left."""
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,10 @@ def test_demo_headless_tells_the_whole_story():
     assert "plan applied by every rank" in out and "after the lift" in out
     assert "SLOWDOWN job" in out and "PLAN 1 rebalance_microbatches" in out
     assert "cleaned up" in out
+    import re
+    report = Path(re.search(r"demo: report: (\S+)", out).group(1))
+    page = report.read_text()
+    assert page.count("<svg") >= 4 and "rebalance_microbatches (mitigate)" in page
     assert leftover_groups() == before
     left = subprocess.run(["pgrep", "-f", "scripts/demo_train.py"], capture_output=True,
                           text=True).stdout
