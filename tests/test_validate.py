@@ -256,16 +256,26 @@ def test_a_healthy_job_under_attach_and_validate(ddp_job, tracer, tmp_path):
     t = tracer([job.proc.pid], "-q")
     t.wait_attached(4)
     t0 = time.monotonic()
-    runs = []
+    runs, started = [], []
     for i in range(2):
         time.sleep(max(0.0, t0 + 30 + 35 * i - time.monotonic()))
         out = tmp_path / f"v{i}.jsonl"
+        started.append(time.time_ns())
         r = run_cli("validate", str(job.proc.pid), "-o", str(out), timeout=180)
         runs.append((r, read_events(out)))
     time.sleep(max(0.0, t0 + 100 - time.monotonic()))
     assert job.proc.poll() is None
     assert t.stop() == 0
-    assert unconfirmed_slowdowns(t.events(), job.truth_records()) == [], t.story()
+    # Each `validate` this test starts loads the 2-core host before it can
+    # announce itself (its interpreter and imports, ~0.3 CPU-s): the job
+    # really slows then, a moment the tracer cannot yet tell from the job's
+    # own (and its passive verdict says unknown: asserted below). Those few
+    # seconds, which the test itself disturbed, are left out of the check;
+    # everywhere else a job slowdown must be in the job's own log.
+    own = [(s - int(0.2e9), s + int(3e9)) for s in started]
+    made_up = [e for e in unconfirmed_slowdowns(t.events(), job.truth_records())
+               if not any(lo <= e["onset_ns"] < hi for lo, hi in own)]
+    assert made_up == [], t.story()
     assert [e for e in t.events("action") if e.get("strategy") != "none"] == []
     for r, evs in runs:
         assert r.returncode == 0, r.stdout + r.stderr
