@@ -64,13 +64,14 @@ def test_what_a_dashboard_joins_and_rates(metrics):
     from greyhound_bpf import __version__
     assert value(metrics, "greyhound_build_info", version=__version__) == 1
     uuid = "GPU-5a1b2c3d-0000-4000-8000-000000000005"
-    metrics({"kind": "attach", "ranks": [{"pid": 11, "rank": 0, "local_rank": 0, "gpu": uuid},
-                                         {"pid": 12, "rank": 1, "local_rank": None}]})
+    metrics({"kind": "attach", "job": "llama-7b", "ranks": [
+        {"pid": 11, "rank": 0, "local_rank": 0, "gpu": uuid},
+        {"pid": 12, "rank": 1, "local_rank": None}]})
     # gpu_uuid joins with DCGM's UUID; a rank with no GPU (or none found) has none.
     assert value(metrics, "greyhound_rank_info", rank="0", local_rank="0", pid="11",
-                 node=metrics.node, gpu_uuid=uuid) == 1
+                 node=metrics.node, gpu_uuid=uuid, training_job="llama-7b") == 1
     assert value(metrics, "greyhound_rank_info", rank="1", local_rank="", pid="12",
-                 node=metrics.node, gpu_uuid="") == 1
+                 node=metrics.node, gpu_uuid="", training_job="llama-7b") == 1
     for i, ms in enumerate((20, 40, 3000)):
         metrics({"kind": "iteration", "rank": 0, "index": i, "dur_ns": ms * 1_000_000})
     # A disturbed iteration (ours) is no sample of the job's speed.

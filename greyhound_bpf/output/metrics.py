@@ -5,7 +5,7 @@ address other than loopback needs unless --metrics-plaintext. Fed by the same ev
 other consumer, plus per-call counts from the tracer's batches.
 
     greyhound_build_info{version}               1
-    greyhound_rank_info{rank,local_rank,pid,node,gpu_uuid}  1 per rank attached
+    greyhound_rank_info{rank,local_rank,pid,node,gpu_uuid,training_job}  1 per rank
                                                 (join with DCGM's Hostname on
                                                 node, its UUID on gpu_uuid;
                                                 empty without a GPU)
@@ -57,7 +57,8 @@ class Metrics:
         Gauge("greyhound_build_info", "Greyhound's version", ["version"],
               registry=r).labels(version=__version__).set(1)
         self.rank_info = Gauge("greyhound_rank_info", "A rank attached",
-                               ["rank", "local_rank", "pid", "node", "gpu_uuid"], registry=r)
+                               ["rank", "local_rank", "pid", "node", "gpu_uuid", "training_job"],
+                               registry=r)
         self.node = socket.gethostname()
         self.diagnoses = Counter("greyhound_diagnoses", "Verdicts", ["cause", "evidence"],
                                  registry=r)
@@ -132,7 +133,8 @@ class Metrics:
                 self.rank_info.labels(rank=_label(t.get("rank")),
                                       local_rank=_label(t.get("local_rank")),
                                       pid=str(t["pid"]), node=self.node,
-                                      gpu_uuid=t.get("gpu") or "").set(1)
+                                      gpu_uuid=t.get("gpu") or "",
+                                      training_job=ev.get("job") or "").set(1)
         elif kind == "activity" and ev.get("what") == "pause" and ev.get("end_ns"):
             self.paused.inc(max(0, ev["end_ns"] - ev["start_ns"]) / 1e9)
         elif kind == "lost":
