@@ -53,7 +53,8 @@ class Plan:
     issued_ns: int = 0
     microbatches: dict[int, int] | None = None   # dp_rank -> count, summing to the global count
     layer_split: list[int] | None = None         # layers per pipeline stage
-    restart: dict | None = None                  # {"checkpoint": true, "exclude": [ranks]}
+    restart: dict | None = None                  # {"checkpoint": true, "exclude": [ranks],
+    #                                              "where": [{rank, host, cpus, gpu}]}
     reason: str = ""
     v: int = SCHEMA_VERSION
 
@@ -311,6 +312,7 @@ class ControlFile:
         atomic_write_json(Path(f"{self.path}.restart"),
                           {"v": SCHEMA_VERSION, "seq": plan.seq, "checkpoint": str(checkpoint),
                            "exclude": list(restart.get("exclude", [])),
+                           "where": list(restart.get("where", [])),
                            "layer_split": plan.layer_split, "saved_ns": time.time_ns()})
 
     def _write_ack(self, seq: int, state: dict) -> None:

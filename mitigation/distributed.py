@@ -49,6 +49,21 @@ class Step:
     restart: Plan | None = None       # to follow: checkpoint, then gh.restart(path)
 
 
+def where_this_runs() -> dict:
+    """This rank's host, CPUs and GPU, announced so that a restart plan can
+    name where a left-out rank ran (greyhound-run avoids it)."""
+    import socket
+    where: dict = {"host": socket.gethostname(), "cpus": sorted(os.sched_getaffinity(0))}
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            where["gpu"] = f"GPU-{props.uuid}"          # NVML's and DCGM's spelling
+    except (ImportError, RuntimeError, AttributeError):
+        pass
+    return where
+
+
 class Greyhound:
     """The trainer's side of the control file for torch.distributed jobs.
 
@@ -60,12 +75,15 @@ class Greyhound:
     ranks out, and the global batch stays the same). `group`: the
     data-parallel process group (default: the whole world); `checkpoint`:
     the trainer saves and resumes, so the tool may propose restarts;
-    `stage`/`layer_split`: a pipeline's, announced for re-splits."""
+    `stage`/`layer_split`: a pipeline's, announced for re-splits;
+    `rebalance=False`: a trainer whose micro-batches are not to be moved
+    between ranks (a pipeline's schedule): it does not announce its count,
+    so the policy plans restarts and re-splits only."""
 
     def __init__(self, control_file: str | os.PathLike | None = None, *, microbatches: int,
                  total_microbatches: int | None = None, group=None, checkpoint: bool = False,
                  stage: int | None = None, layer_split: list[int] | None = None,
-                 applied_seq: int = 0):
+                 applied_seq: int = 0, rebalance: bool = True):
         import torch.distributed as dist
         if not dist.is_initialized():
             raise RuntimeError("Greyhound(...) needs torch.distributed initialised first "
@@ -82,7 +100,7 @@ class Greyhound:
             raise ValueError(f"{self.total} micro-batches cannot give each of "
                              f"{self.world} ranks one")
         self.microbatches = even_split(self.total, self.world)[self.dp_rank]
-        self.checkpoint = checkpoint
+        self.checkpoint, self.rebalance = checkpoint, rebalance
         self.applied_seq = applied_seq      # resumed from a checkpoint: plans up to it are done
         self._seen: dict[int, Plan] = {}
         self._pending: Plan | None = None
@@ -90,8 +108,9 @@ class Greyhound:
             else os.environ.get("GREYHOUND_CONTROL_FILE")
         self.ctl = ControlFile(path, rank=self.rank, dp_rank=self.dp_rank) if path else None
         if self.ctl is not None:
-            state = {"microbatches": self.microbatches, "world": self.world,
-                     "checkpoint": bool(checkpoint)}
+            state = {"world": self.world, "checkpoint": bool(checkpoint), **where_this_runs()}
+            if rebalance:
+                state["microbatches"] = self.microbatches
             if stage is not None:
                 state["stage"] = stage
             if layer_split is not None:
@@ -120,11 +139,12 @@ class Greyhound:
             self._pending = agreed
             return Step(self.microbatches, self.loss_scale, restart=agreed)
         mb = agreed.microbatches
-        if mb is not None and len(mb) == self.world and sum(mb.values()) == self.total:
+        if self.rebalance and mb is not None and len(mb) == self.world \
+                and sum(mb.values()) == self.total:
             self.microbatches = agreed.microbatches_for(self.dp_rank, self.microbatches)
         # A plan for another world (stale after a restart) changes nothing,
         # and the ack says what this rank runs.
-        self.ctl.ack(agreed, microbatches=self.microbatches)
+        self.ctl.ack(agreed, **({"microbatches": self.microbatches} if self.rebalance else {}))
         return Step(self.microbatches, self.loss_scale, plan=agreed)
 
     def _agree(self, newest: int) -> Plan | None:

@@ -54,10 +54,12 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
 
 from greyhound_bpf.events import is_speed_sample
 
+from .episode import RECHECK_AFTER_S
+from .episode import Episode as _Episode
+from .episode import Rank as _Rank
 from .rebalance import RebalanceError, even_split, solve
 from .restart import Decision, restart_decision
 
@@ -78,45 +80,11 @@ MIN_SLOWER = 0.10
 # A plan may be refined once, when it runs this much slower than predicted.
 REFINE_OFF = 0.15
 MAX_CHANGES = 2
-# Is the fault gone? A recheck of the straggler's device this long after the
-# plan was applied, then at doubling intervals...
-RECHECK_AFTER_S = 20.0
+# Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
+# after the plan was applied (mitigation.episode), then at doubling intervals...
 RECHECK_MAX_S = 320.0
 # ...or, with validation off, a trial return to the even split.
 TRIAL_AFTER_S = 30.0
-
-
-@dataclass
-class _Rank:
-    end_ns: deque
-    dur_ms: deque
-    compute_ms: deque
-    count: deque                  # micro-batches this rank ran in each sample
-
-    def clear(self) -> None:
-        for q in (self.end_ns, self.dur_ms, self.compute_ms, self.count):
-            q.clear()
-
-
-@dataclass
-class _Episode:
-    onset_ns: int
-    healthy_ms: float | None
-    loss_ms: float = 0.0
-    straggler: int | None = None         # dp rank
-    evidence: str = ""                   # what named it
-    gemm_ratio: float | None = None      # validated: its device against the reference
-    named_slow: set = field(default_factory=set)
-    changes: int = 0                     # plans made (not counting the return to even)
-    said_none: str | None = None         # the last `none` reason said
-    plan_ms: float | None = None         # the prediction of the plan in force
-    planned_for: int | None = None       # the straggler the plan in force works around
-    refined: bool = False
-    recheck_at_ns: int | None = None
-    recheck_every_s: float = RECHECK_AFTER_S
-    trial: dict | None = None            # a trial return to even in progress
-    trial_due_ns: int | None = None      # a recheck was refused: a trial instead
-    restart_considered: bool = False
 
 
 class SkiRentalPolicy:
@@ -140,6 +108,7 @@ class SkiRentalPolicy:
         self.applied_ns = 0
         self.planned_ns = 0
         self.unapplied_said = False
+        self.restart_pending = False              # a restart was planned; the relaunch ends it
         self.job_history: deque = deque(maxlen=window)
         self._now_ns = 0
 
@@ -186,6 +155,17 @@ class SkiRentalPolicy:
             n, dp = d.get("microbatches"), d.get("dp_rank", d.get("rank"))
             if isinstance(n, int) and isinstance(dp, int):
                 counts[dp] = n
+        worlds = {d.get("world") for d in docs.values()}
+        if counts and self.world is not None and len(counts) != self.world and \
+                worlds == {len(counts)} and all(d.get("seq") == 0 for d in docs.values()):
+            # Every rank of a new launch has announced itself, in another
+            # world (a restart left ranks out): the old ranks, their speeds,
+            # the episode and the split are gone; the policy starts over on
+            # the new world, and a later fault is mitigated there.
+            self.world, self.split, self.planned, self.advised = None, None, None, None
+            self.episode, self.restart_pending = None, False
+            self.ranks.clear()
+            self.job_history.clear()
         if counts and (self.world is None or len(counts) == self.world):
             self.world = len(counts)
             self.global_microbatches = sum(counts.values())
@@ -209,6 +189,7 @@ class SkiRentalPolicy:
         if self.planned is not None:
             self.advised = self.planned
         self.planned = None
+        self.restart_pending = False           # advised only: no restart will come
 
     def restart_cost(self) -> tuple[float, str]:
         if self.restart_observed_s is not None:
@@ -419,11 +400,17 @@ class SkiRentalPolicy:
         e = self.episode
         if e is None or self.planned is not None or not self._full(3):
             return []
-        out = self._rebalance()
+        # One plan per look: a restart that pays supersedes the rebalance
+        # this look would have made (the trainer would otherwise apply one
+        # and then, steps later, restart anyway).
+        if self.restart_pending:
+            return []                  # the job is about to restart: nothing else to plan
         r = self._restart()
         if r is not None:
-            out.append(r)
-        return out
+            r.numbers["supersedes"] = "rebalance_microbatches"
+            self.restart_pending = True
+            return [r]
+        return self._rebalance()
 
     def _rebalance(self) -> list[Decision]:
         e = self.episode

@@ -70,8 +70,14 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
         without = greedy_makespan([times[i] for i in keep], total)
         saved = best_now - without
         excluded = [order[i] for i in range(len(order)) if i not in keep]
-        strategy, plan = "checkpoint_restart", {"restart": {"checkpoint": True,
-                                                            "exclude": excluded}}
+        # Name where each left-out rank ran (its host, CPUs, GPU, as it
+        # announced them), for greyhound-run to relaunch without them.
+        where = [{k: d[k] for k in ("rank", "dp_rank", "host", "cpus", "gpu") if k in d}
+                 for d in announced.values() if d.get("dp_rank", d.get("rank")) in excluded]
+        restart = {"checkpoint": True, "exclude": excluded}
+        if where:
+            restart["where"] = sorted(where, key=lambda w: w.get("rank", 0))
+        strategy, plan = "checkpoint_restart", {"restart": restart}
         what = f"restart without dp rank(s) {excluded}"
     if saved <= min_gain * best_now:
         return None

@@ -50,6 +50,9 @@ def parse_args(argv=None):
                         "plan saves it and exits with code 75 for greyhound-run to relaunch")
     p.add_argument("--save-final", help="write the final parameters here (rank 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to one CPU of those it may use (rank modulo their "
+                        "count), as trainers bind ranks to cores or GPUs")
     return p.parse_args(argv)
 
 
@@ -64,6 +67,9 @@ def build_model(hidden: int, layers: int) -> nn.Module:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.pin:    # before the process group starts its threads, which inherit it
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ.get("RANK", 0)) % len(cpus)]})
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
@@ -99,9 +105,19 @@ def main(argv=None) -> int:
         model.module.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         step, total_mb = ckpt["step"], ckpt["total_mb"]
+        # The data streams go on where they stopped: the ranks kept (all
+        # but greyhound-run's GREYHOUND_EXCLUDE, ranks of the last launch)
+        # take, in order, the new contiguous ranks and their streams.
         gens = ckpt["generators"]
-        if len(gens) == world:
-            gen.set_state(gens[rank])
+        left_out = {int(x) for x in os.environ.get("GREYHOUND_EXCLUDE", "").split(",") if x}
+        kept = [r for r in range(len(gens)) if r not in left_out]
+        if len(kept) == world:
+            gen.set_state(gens[kept[rank]])
+    if log and os.environ.get("GREYHOUND_RESTARTS"):
+        # Under greyhound-run: which launch this is, and where this rank runs.
+        log.write(json.dumps({"rank": rank, "launch": int(os.environ["GREYHOUND_RESTARTS"]),
+                              "world": world, "cpus": sorted(os.sched_getaffinity(0)),
+                              "step": step}) + "\n")
     if log and os.environ.get("GREYHOUND_LAYER_SPLIT"):
         # This demo model has no pipeline stages: it records the split a
         # pipeline trainer would build its stages from.
@@ -127,9 +143,11 @@ def main(argv=None) -> int:
             my_mb, scale = s.microbatches, s.loss_scale
             t0 = time.time_ns()
             opt.zero_grad(set_to_none=True)
-            total = 0.0
+            total, data = 0.0, None
             for mb in range(my_mb):
                 x = torch.randn(args.mb_size, 64, generator=gen)
+                if data is None:
+                    data = float(x.sum())     # where this rank's data stream stands
                 y = x @ true_w
                 last = mb == my_mb - 1
                 ctx = model.no_sync() if not last else _null()
@@ -142,7 +160,8 @@ def main(argv=None) -> int:
             if log:
                 log.write(json.dumps({"rank": rank, "index": step, "start_ns": t0,
                                       "dur_ns": t1 - t0, "allreduces": state["allreduces"],
-                                      "microbatches": my_mb, "loss": total}) + "\n")
+                                      "microbatches": my_mb, "loss": total,
+                                      "data": data}) + "\n")
             step += 1
     except KeyboardInterrupt:
         pass

@@ -176,7 +176,10 @@ class DDPJob:
         extra = list(args) + ["--steps", str(steps)]
         if go:
             extra += ["--go-file", str(self.go_file)]
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port",
+        # Under greyhound-run, its {nproc}: a relaunch may have fewer ranks.
+        supervised = any(str(p).endswith("greyhound-run") for p in prefix or [])
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "{nproc}" if supervised else str(nproc),
+               "--master-port",
                str(free_port()), *trainer_command(trainer, self.truth, *extra)]
         self.proc = subprocess.Popen([*(prefix or []), *cmd], stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,

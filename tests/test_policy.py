@@ -260,8 +260,42 @@ def test_restart_only_when_loss_pays_for_it():
         for ev in evs:
             later += pol.observe(ev)
     assert [x.strategy for x in later] == ["checkpoint_restart"]
-    assert later[0].plan["restart"] == {"checkpoint": True, "exclude": [3]}
+    assert later[0].plan["restart"] == {"checkpoint": True, "exclude": [3], "where": [
+        {"rank": 3, "dp_rank": 3}]}
     assert later[0].numbers["loss_ms"] >= 2000 and later[0].numbers["cost"] == "estimated"
+
+
+def test_one_plan_per_look_a_restart_supersedes_the_rebalance():
+    """The restart already pays at the first look (a cheap observed restart,
+    the loss before detection): that look yields the restart alone, naming
+    where the left-out rank ran; then, once the new launch's ranks announce
+    a smaller world, the policy starts over there and mitigates a later
+    fault of the smaller job."""
+    job = Job([1.0, 1.0, 1.0, 30.0])
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, restart_estimate_s=0.001)
+    where = {r: {"host": "node7", "cpus": [r]} for r in range(4)}
+    pol.acks({r: {**d, **where[r]} for r, d in job.acks(checkpoint=True).items()})
+    run(pol, job, 12)
+    d = pol.observe(slowdown(job, 10.0, 242.0, 8, 12)) + pol.observe(verdict(job, [3]))
+    d += run(pol, job, 8)
+    plans_made = [x for x in d if x.strategy != "none"]
+    assert [x.strategy for x in plans_made] == ["checkpoint_restart"]
+    assert plans_made[0].numbers["supersedes"] == "rebalance_microbatches"
+    assert plans_made[0].plan["restart"]["where"] == [
+        {"rank": 3, "dp_rank": 3, "host": "node7", "cpus": [3]}]
+    # The relaunch: 3 ranks, the global batch kept (16 micro-batches).
+    small = Job([1.0, 1.0, 1.0])
+    small.split, small.now = {0: 6, 1: 5, 2: 5}, job.now
+    pol.acks(small.acks(checkpoint=True))
+    assert pol.world == 3 and pol.episode is None and pol.ranks == {}
+    run(pol, small, 20)
+    small.t[1] = 3.0                                      # a later fault, rank 1
+    run(pol, small, 4)
+    out = pol.observe(slowdown(small, 6.0, 15.0, 20, 24)) + pol.observe(verdict(small, [1]))
+    out += run(pol, small, 16)
+    (p,) = plans(out)
+    assert p.strategy == "rebalance_microbatches"
+    assert sum(p.plan["microbatches"].values()) == 16 and p.plan["microbatches"][1] < 5
 
 
 def test_pipeline_resplit_when_trainer_is_pipelined():

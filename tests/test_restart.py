@@ -3,6 +3,7 @@ checkpoint and exit 75; greyhound-run relaunches it; training resumes from
 the checkpoint with identical parameters, and the loss continues exactly as
 in an uninterrupted run of the same job."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ STEPS = 14
 def losses(truth: Path) -> dict[tuple[int, int], float]:
     out = {}
     for d in read_events(truth):
-        if not d.get("final") and "layer_split" not in d:
+        if "loss" in d:
             assert (d["rank"], d["index"]) not in out, "a step ran twice"
             out[d["rank"], d["index"]] = d["loss"]
     return out
@@ -62,6 +63,9 @@ def test_checkpoint_restart_resumes_exactly(tmp_path, strategy):
     # A re-split reaches the relaunched trainer (greyhound-run's
     # GREYHOUND_LAYER_SPLIT); this demo model records what it would build.
     splits = [d for d in read_events(job.truth) if "layer_split" in d]
+    launches = sorted((d["launch"], d["rank"], d["world"]) for d in read_events(job.truth)
+                      if "launch" in d)
+    assert launches == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
     if strategy == "reconfigure_pipeline":
         assert sorted(d["rank"] for d in splits) == [0, 1]
         assert all(d["layer_split"] == [3, 5] for d in splits)
@@ -97,3 +101,103 @@ def test_supervisor_bad_usage(tmp_path):
                         sys.executable, "-c", "raise SystemExit(7)"],
                        capture_output=True, text=True)
     assert r.returncode == 7
+
+
+JOB = """
+import json, os, sys, time
+ctl, n = sys.argv[1], int(sys.argv[2])
+launch = int(os.environ["GREYHOUND_RESTARTS"])
+with open(ctl + ".launches", "a") as fh:
+    fh.write(json.dumps({"launch": launch, "nproc": n,
+                         "exclude": os.environ["GREYHOUND_EXCLUDE"],
+                         "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                         "cpus": sorted(os.sched_getaffinity(0))}) + "\\n")
+plans = [{"exclude": [2], "where": [{"rank": 2, "host": "node-b", "cpus": [0]}]},
+         {"exclude": [0], "where": [{"rank": 0, "gpu": "GPU-bbb"}]}]
+if launch < len(plans):
+    doc = {"v": 1, "seq": launch + 1, "checkpoint": "ck", "saved_ns": time.time_ns(),
+           **plans[launch]}
+    with open(ctl + ".restart", "w") as fh:
+        json.dump(doc, fh)
+    sys.exit(75)
+"""
+
+
+def test_exclusions_are_per_launch_and_each_device_is_avoided(tmp_path):
+    """greyhound-run with a stand-in job (a Python one-liner that writes the
+    restart requests a trainer would): each launch's `{nproc}` is the last
+    one's minus the ranks its plan left out; a rank of another host goes to
+    the scheduler hook; a GPU named by UUID leaves CUDA_VISIBLE_DEVICES; the
+    exclusions are reported per launch."""
+    sup = str(Path(sys.executable).parent / "greyhound-run")
+    ctl = tmp_path / "c.json"
+    hook = tmp_path / "hook.out"
+    r = subprocess.run([sup, "--control-file", str(ctl), "--nproc", "4",
+                        "--on-exclude", f"echo $GREYHOUND_EXCLUDE_HOSTS >> {hook}", "--",
+                        sys.executable, "-c", JOB, str(ctl), "{nproc}"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="GPU-aaa,GPU-bbb,GPU-ccc"))
+    assert r.returncode == 0, r.stderr
+    launches = [json.loads(x) for x in Path(f"{ctl}.launches").read_text().splitlines()]
+    assert [(x["launch"], x["nproc"], x["exclude"]) for x in launches] == \
+        [(0, 4, ""), (1, 3, "2"), (2, 2, "0")]
+    # node-b's CPU 0 is not this host's: no affinity change, the hook instead.
+    assert launches[1]["cpus"] == launches[0]["cpus"] == sorted(os.sched_getaffinity(0))
+    assert hook.read_text().split() == ["node-b"]
+    assert [x["cvd"] for x in launches] == ["GPU-aaa,GPU-bbb,GPU-ccc"] * 2 + ["GPU-aaa,GPU-ccc"]
+    rep = [json.loads(x) for x in Path(f"{ctl}.exclusions").read_text().splitlines()]
+    assert [(e["launch"], e["exclude"], e["nproc"], e["other_hosts"], e["avoid_gpus"])
+            for e in rep] == [(1, [2], 3, ["node-b"], []), (2, [0], 2, [], ["GPU-bbb"])]
+    assert "without ranks [2] of launch 0" in r.stderr and "GPUs ['GPU-bbb']" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_restart_leaves_out_the_named_rank_and_where_it_ran(tmp_path):
+    """3 ranks, each pinned to a CPU (rank 1 alone on CPU 1). A plan leaves
+    out rank 1, naming where it ran as rank 1 announced it: greyhound-run
+    relaunches 2 ranks that avoid CPU 1, the kept ranks' data streams go on
+    where they stopped (old rank 2's is new rank 1's), the exclusion is
+    reported per launch, and training finishes."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("needs 2 CPUs to leave one out")
+    cpus = sorted(os.sched_getaffinity(0))
+    ctl = tmp_path / "ctl.json"
+    sup = str(Path(sys.executable).parent / "greyhound-run")
+    job = DDPJob(tmp_path, 3, 40, "--idle-ms", "60", "--microbatches", "2", "--pin",
+                 "--control-file", str(ctl), "--checkpoint", str(tmp_path / "ckpt.pt"),
+                 go=False, prefix=[sup, "--control-file", str(ctl), "--nproc", "3", "--"])
+    try:
+        wait_for(lambda: len(job.truth_records()) >= 9, 120, "the job to train")
+        acks = ControlWriter(ctl).ack_docs()
+        assert {r: a["cpus"] for r, a in acks.items()} == {r: [cpus[r % len(cpus)]]
+                                                           for r in range(3)}
+        where = [{k: acks[1][k] for k in ("rank", "host", "cpus")}]
+        ControlWriter(ctl).issue("checkpoint_restart", reason="test",
+                                 restart={"checkpoint": True, "exclude": [1], "where": where})
+        assert job.wait(240) == 0
+    finally:
+        job.close()
+    log = Path(job.log.name).read_text()
+    assert "without ranks [1] of launch 0" in log and f"avoiding CPUs [{cpus[1]}]" in log, log
+    recs = read_events(job.truth)
+    launches = {(d["launch"], d["rank"]): d for d in recs if "launch" in d}
+    assert sorted(launches) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert all(launches[1, r]["world"] == 2 and cpus[1] not in launches[1, r]["cpus"]
+               for r in (0, 1))
+    # The data streams: at the first step after the restart, new rank r
+    # draws what old rank kept[r] would have drawn next (the checkpoint's
+    # generator states).
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    step = ckpt["step"]
+    for new, old in ((0, 0), (1, 2)):
+        g = torch.Generator()
+        g.set_state(ckpt["generators"][old])
+        want = float(torch.randn(32, 64, generator=g).sum())
+        (got,) = [d["data"] for d in recs if d.get("rank") == new and d.get("index") == step
+                  and "loss" in d and d["microbatches"] == 3]
+        assert got == pytest.approx(want, rel=1e-6), (new, old)
+    exclusions = [json.loads(x) for x in Path(f"{ctl}.exclusions").read_text().splitlines()]
+    assert [(e["launch"], e["exclude"], e["nproc"], e["avoid_cpus"]) for e in exclusions] == \
+        [(1, [1], 2, [cpus[1]])]
+    finals = [d for d in recs if d.get("final")]
+    assert sorted(d["exit_code"] for d in finals) == [0, 0, 75, 75, 75]
