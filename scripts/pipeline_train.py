@@ -57,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint directory: resume from it when it holds "
                                         "one; a re-split or restart plan saves one and exits 75")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to one CPU of those it may use (rank modulo their "
+                        "count): on 2 CPUs, stage 0 on one and stage 1 on the other")
     return p.parse_args(argv)
 
 
@@ -124,7 +127,7 @@ def gpipe(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, hidden: i
             dist.send(out.detach(), nxt)
         else:
             out = nn.functional.mse_loss(out, ys[i])
-            losses.append(float(out))
+            losses.append(float(out.detach()))
         inputs.append(inp)
         outputs.append(out)
     for i in range(n):
@@ -142,6 +145,9 @@ def gpipe(module: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, hidden: i
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.pin:    # before the process group starts its threads, which inherit it
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ.get("RANK", 0)) % len(cpus)]})
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     pp = args.pp
@@ -165,7 +171,7 @@ def main(argv=None) -> int:
     module = nn.Sequential(*(parts[n] for n in names))
     del parts
     params = list(module.parameters())
-    opt = torch.optim.SGD(params, lr=1e-2)
+    opt = torch.optim.SGD(params, lr=1e-3)
     last = stage == pp - 1
 
     def loss_fn(out, target):

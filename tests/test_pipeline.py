@@ -5,8 +5,10 @@ split, every block's parameters move to the stage that now holds it, and
 the losses continue exactly as an uninterrupted run's."""
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,86 @@ def test_a_resplit_moves_the_layers_and_the_losses_continue(tmp_path):
     assert set(a) == set(b) == {(r, i) for r in (1, 3) for i in range(STEPS)}
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-8), k
+
+
+def rank_pids(root: int) -> dict[int, int]:
+    """rank -> pid of the pipeline's ranks under `root` (greyhound-run)."""
+    from harness import descendants_of
+    out = {}
+    for pid in descendants_of(root):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"pipeline_train.py" in cmd and b"torchrun" not in cmd:
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[rank] = pid
+    return out
+
+
+@pytest.mark.bpf
+def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer):
+    """The pipeline under greyhound-run, each rank pinned to a CPU (stage 0
+    on one, stage 1 on the other), `attach --mitigate`. Healthy for 15 s:
+    no verdict, no plan. Then rank 1 (stage 1) gets 0.15 CPU, and again
+    after the relaunch (the slow device stays where stage 1's rank 1 runs):
+    the slowdown is named, a reconfigure_pipeline plan gives stage 1 fewer
+    blocks, greyhound-run relaunches with it, and the job runs faster than
+    while slowed on the old split."""
+    from greyhound_bpf.inject import CpuQuota
+    ctl = tmp_path / "ctl.json"
+    sup = [str(Path(sys.executable).parent / "greyhound-run"), "--control-file", str(ctl),
+           "--nproc", "4", "--"]
+    out = open(tmp_path / "job.out", "w")
+    p = subprocess.Popen([*sup, str(BIN / "torchrun"), "--nproc-per-node", "{nproc}",
+                          "--master-port", str(free_port()), str(TRAINER), "--pin",
+                          "--blocks", "8", "--hidden", "256", "--mb-size", "64",
+                          "--microbatches", "4", "--control-file", str(ctl),
+                          "--checkpoint", str(tmp_path / "ckpt"),
+                          "--truth", str(tmp_path / "truth.jsonl")],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    quotas = []
+    try:
+        first = wait_for(lambda: (lambda r: r if len(r) == 4 else None)(rank_pids(p.pid)),
+                         120, "4 ranks")
+        t = tracer([p.pid], "-q", "--control-file", str(ctl), "--mitigate",
+                   "--restart-cost", "3")
+        t.wait_attached(4)
+        time.sleep(15)
+        healthy = t.events()
+        assert [e for e in healthy if e["kind"] == "action" and e["strategy"] != "none"] == []
+        assert [e for e in healthy if e["kind"] == "diagnosis"
+                and e["cause"] != "unknown"] == [], t.story()
+        slow_from = time.time_ns()
+        quotas.append(CpuQuota(first[1], 0.15))
+        quotas[-1].apply()
+        plan = wait_for(lambda: next((e for e in t.events("action")
+                                      if e["strategy"] == "reconfigure_pipeline"), None),
+                        120, "a re-split")
+        split = plan["plan"]["layer_split"]
+        assert sum(split) == 8 and split[1] < 4, plan
+        second = wait_for(lambda: (lambda r: r if len(r) == 4 and r[1] != first[1] else None)(
+            rank_pids(p.pid)), 120, "the relaunch")
+        quotas.append(CpuQuota(second[1], 0.15))
+        quotas[-1].apply()
+        resplit_from = time.time_ns()
+        time.sleep(20)
+        assert t.stop() == 0
+    finally:
+        for q in quotas:
+            q.undo()
+        kill_tree(p)
+    recs = [d for d in read_jsonl(tmp_path / "truth.jsonl") if d.get("rank") == 0
+            and "dur_ns" in d]
+    slowed = [d["dur_ns"] / 1e6 for d in recs if d["layer_split"] == [4, 4]
+              and slow_from + 5e9 <= d["start_ns"] < plan["time_ns"]]
+    after = [d["dur_ns"] / 1e6 for d in recs if d["layer_split"] == split
+             and d["start_ns"] >= resplit_from + 5e9]
+    assert len(slowed) >= 10 and len(after) >= 30, (len(slowed), len(after))
+    s, a = statistics.median(slowed), statistics.median(after)
+    print(f"pipeline: slowed {s:.1f} ms on [4, 4], {a:.1f} ms on {split} "
+          f"(predicted {plan['expected_ms']:.1f} ms)")
+    assert a < 0.8 * s, (s, a, split)
+    assert "with layers per stage" in (tmp_path / "job.out").read_text()
