@@ -4,8 +4,10 @@ the checkpoint with identical parameters, and the loss continues exactly as
 in an uninterrupted run of the same job."""
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,69 @@ def test_a_restart_leaves_out_the_named_rank_and_where_it_ran(tmp_path):
         [(1, [1], 2, [cpus[1]])]
     finals = [d for d in recs if d.get("final")]
     assert sorted(d["exit_code"] for d in finals) == [0, 0, 75, 75, 75]
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_a_rank_that_stays_slow_is_restarted_away_live(tmp_path, tracer):
+    """S4 end to end: 3 DDP ranks pinned (rank 1 alone on CPU 1) under
+    greyhound-run, `attach --mitigate --restart-cost 3`. Healthy for 10 s:
+    no verdict, no plan. Rank 1 at 0.08 CPU: named, rebalanced, and once
+    the loss pays for the restart, restarted without rank 1 and off its
+    CPU; the 2-rank job runs faster than the 3-rank one did under the
+    fault."""
+    from greyhound_bpf.inject import CpuQuota
+    from harness import rank_pids
+    ctl = tmp_path / "ctl.json"
+    sup = str(Path(sys.executable).parent / "greyhound-run")
+    job = DDPJob(tmp_path, 3, 0, "--pin", "--microbatches", "4", "--mb-size", "256",
+                 "--hidden", "128", "--layers", "3", "--bucket-mb", "25",
+                 "--control-file", str(ctl), "--checkpoint", str(tmp_path / "ckpt.pt"),
+                 go=False, prefix=[sup, "--control-file", str(ctl), "--nproc", "3", "--"])
+    quota = None
+    try:
+        first = wait_for(lambda: (lambda r: r if len(r) == 3 else None)(rank_pids(job.pid)),
+                         120, "3 ranks")
+        t = tracer([job.pid], "-q", "--control-file", str(ctl), "--mitigate",
+                   "--restart-cost", "3")
+        t.wait_attached(3)
+        time.sleep(10)
+        healthy = t.events()
+        assert [e for e in healthy if e["kind"] == "action" and e["strategy"] != "none"] == []
+        assert [e for e in healthy if e["kind"] == "diagnosis"
+                and e["cause"] != "unknown"] == [], t.story()
+        quota = CpuQuota(first[1], 0.08)
+        quota.apply()
+        slow_from = time.time_ns()
+        restart = wait_for(lambda: next((e for e in t.events("action")
+                                         if e["strategy"] == "checkpoint_restart"), None),
+                           150, "a restart", interval=0.5)
+        assert restart["plan"]["restart"]["exclude"] == [1], t.story()
+        wait_for(lambda: (lambda r: r if len(r) == 2 else None)(rank_pids(job.pid)), 120,
+                 "the relaunch")
+        time.sleep(15)
+        assert t.stop() == 0
+    finally:
+        if quota:
+            quota.undo()
+        job.close()
+    log = Path(job.log.name).read_text()
+    assert "without ranks [1] of launch 0" in log, log[-2000:]
+    recs = read_events(job.truth)
+    launch, slowed, after = 0, [], []
+    for d in recs:
+        if "launch" in d and d["rank"] == 0:
+            launch = d["launch"]
+        if d.get("rank") == 0 and "dur_ns" in d:
+            if launch == 0 and slow_from + 5e9 <= d["start_ns"] < restart["time_ns"]:
+                slowed.append(d["dur_ns"] / 1e6)
+            elif launch == 1:
+                after.append(d["dur_ns"] / 1e6)
+    assert len(after) >= 30 and len(slowed) >= 10
+    assert {(d["launch"], d["world"]) for d in recs if "launch" in d} == {(0, 3), (1, 2)}
+    cpu1 = sorted(os.sched_getaffinity(0))[1]
+    assert all(cpu1 not in d["cpus"] for d in recs if d.get("launch") == 1)
+    s, a = statistics.median(slowed), statistics.median(after[len(after) // 2:])
+    print(f"S4: {s:.1f} ms per iteration under the fault (3 ranks), {a:.1f} ms after "
+          "the restart without rank 1 (2 ranks)")
+    assert a < s, (s, a)
