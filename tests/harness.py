@@ -295,6 +295,25 @@ class Tracer:
         self.out.close()
 
 
+def mitigating_healthy(start_tracer, root: int, n: int, control: Path, healthy_s: float,
+                       restart_cost: str = "3") -> tuple[dict[int, int], "Tracer"]:
+    """`attach --mitigate` on a supervised job (greyhound-run at `root`)
+    once its n ranks run; the healthy phase asserted: `healthy_s` seconds
+    with no verdict naming a cause and no plan. Returns (rank -> pid, the
+    tracer)."""
+    ranks = wait_for(lambda: (lambda r: r if len(r) == n else None)(rank_pids(root)), 120,
+                     f"{n} ranks")
+    t = start_tracer([root], "-q", "--control-file", str(control), "--mitigate",
+                     "--restart-cost", restart_cost)
+    t.wait_attached(n)
+    time.sleep(healthy_s)
+    healthy = t.events()
+    assert [e for e in healthy if e["kind"] == "action" and e["strategy"] != "none"] == []
+    assert [e for e in healthy if e["kind"] == "diagnosis" and e["cause"] != "unknown"] == [], \
+        t.story()
+    return ranks, t
+
+
 def unconfirmed_slowdowns(events: list[dict], truth: list[dict], lo_ns: int = 0,
                           hi_ns: int = 1 << 62) -> list[dict]:
     """Job slowdowns with their onset in [lo, hi) that the job's own log

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import BIN, ROOT, free_port, kill_tree, rank_pids, read_jsonl, wait_for
+from harness import (BIN, ROOT, free_port, kill_tree, mitigating_healthy, rank_pids,
+                     read_jsonl, wait_for)
 from mitigation.control import ControlWriter
 
 pytestmark = pytest.mark.slow
@@ -100,16 +101,7 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     quotas = []
     try:
-        first = wait_for(lambda: (lambda r: r if len(r) == 4 else None)(rank_pids(p.pid)),
-                         120, "4 ranks")
-        t = tracer([p.pid], "-q", "--control-file", str(ctl), "--mitigate",
-                   "--restart-cost", "3")
-        t.wait_attached(4)
-        time.sleep(15)
-        healthy = t.events()
-        assert [e for e in healthy if e["kind"] == "action" and e["strategy"] != "none"] == []
-        assert [e for e in healthy if e["kind"] == "diagnosis"
-                and e["cause"] != "unknown"] == [], t.story()
+        first, t = mitigating_healthy(tracer, p.pid, 4, ctl, 15)
         slow_from = time.time_ns()
         quotas.append(CpuQuota(first[1], 0.15))
         quotas[-1].apply()

@@ -215,7 +215,7 @@ def test_a_rank_that_stays_slow_is_restarted_away_live(tmp_path, tracer):
     CPU; the 2-rank job runs faster than the 3-rank one did under the
     fault."""
     from greyhound_bpf.inject import CpuQuota
-    from harness import rank_pids
+    from harness import mitigating_healthy, rank_pids
     ctl = tmp_path / "ctl.json"
     sup = str(Path(sys.executable).parent / "greyhound-run")
     job = DDPJob(tmp_path, 3, 0, "--pin", "--microbatches", "4", "--mb-size", "256",
@@ -224,16 +224,7 @@ def test_a_rank_that_stays_slow_is_restarted_away_live(tmp_path, tracer):
                  go=False, prefix=[sup, "--control-file", str(ctl), "--nproc", "3", "--"])
     quota = None
     try:
-        first = wait_for(lambda: (lambda r: r if len(r) == 3 else None)(rank_pids(job.pid)),
-                         120, "3 ranks")
-        t = tracer([job.pid], "-q", "--control-file", str(ctl), "--mitigate",
-                   "--restart-cost", "3")
-        t.wait_attached(3)
-        time.sleep(10)
-        healthy = t.events()
-        assert [e for e in healthy if e["kind"] == "action" and e["strategy"] != "none"] == []
-        assert [e for e in healthy if e["kind"] == "diagnosis"
-                and e["cause"] != "unknown"] == [], t.story()
+        first, t = mitigating_healthy(tracer, job.pid, 3, ctl, 10)
         quota = CpuQuota(first[1], 0.08)
         quota.apply()
         slow_from = time.time_ns()
