@@ -81,7 +81,7 @@ def test_a_resplit_moves_the_layers_and_the_losses_continue(tmp_path):
 @pytest.mark.bpf
 def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer):
     """The pipeline under greyhound-run, each rank pinned to a CPU (stage 0
-    on one, stage 1 on the other), `attach --mitigate`. Healthy for 15 s:
+    on one, stage 1 on the other), `attach --mitigate`. Healthy for 10 s:
     no verdict, no plan. Then rank 1 (stage 1) gets 0.15 CPU, and again
     after the relaunch (the slow device stays where stage 1's rank 1 runs):
     the slowdown is named, a reconfigure_pipeline plan gives stage 1 fewer
@@ -101,7 +101,7 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     quotas = []
     try:
-        first, t = mitigating_healthy(tracer, p.pid, 4, ctl, 15)
+        first, t = mitigating_healthy(tracer, p.pid, 4, ctl, 10)
         slow_from = time.time_ns()
         quotas.append(CpuQuota(first[1], 0.15))
         quotas[-1].apply()
@@ -120,7 +120,7 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
         quotas.append(CpuQuota(second[1], 0.15))
         quotas[-1].apply()
         resplit_from = time.time_ns()
-        time.sleep(20)
+        time.sleep(12)
         assert t.stop() == 0
     finally:
         for q in quotas:

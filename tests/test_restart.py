@@ -234,7 +234,7 @@ def test_a_rank_that_stays_slow_is_restarted_away_live(tmp_path, tracer):
         assert restart["plan"]["restart"]["exclude"] == [1], t.story()
         wait_for(lambda: (lambda r: r if len(r) == 2 else None)(rank_pids(job.pid)), 120,
                  "the relaunch")
-        time.sleep(15)
+        time.sleep(10)
         assert t.stop() == 0
     finally:
         if quota:
