@@ -79,19 +79,11 @@ class Avoid:
 
 
 def _gpu_uuids() -> list[str]:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:           # no NVML, no driver: no GPU to leave out
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-            out.append(u.decode() if isinstance(u, bytes) else u)
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+    """This machine's whole GPUs by UUID (diagnosis.gpus reads NVML; none
+    without a driver)."""
+    from greyhound_bpf.diagnosis.gpus import nvml_gpus
+    return [g.uuid for g in nvml_gpus() if g.uuid.startswith("GPU-")]
+
 
 EPILOG = """\
 examples:
