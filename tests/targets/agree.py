@@ -6,6 +6,7 @@ plan applied, and a checksum of the parameters.
 
     torchrun --nproc-per-node 3 tests/targets/agree.py CTL_TEMPLATE LOG
 (CTL_TEMPLATE holds {rank}.)"""
+import contextlib
 import gc
 import json
 import os
@@ -37,7 +38,7 @@ def main(template: str, log_path: str) -> None:
             opt.zero_grad(set_to_none=True)
             for i in range(s.microbatches):
                 x = torch.randn(4, 8, generator=gen)
-                ctx = model.no_sync() if i < s.microbatches - 1 else _Null()
+                ctx = model.no_sync() if i < s.microbatches - 1 else contextlib.nullcontext()
                 with ctx:
                     (model(x).pow(2).mean() * s.loss_scale).backward()
             opt.step()
@@ -54,13 +55,6 @@ def main(template: str, log_path: str) -> None:
     gc.collect()
     dist.destroy_process_group()
 
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
