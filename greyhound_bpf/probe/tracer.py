@@ -80,8 +80,11 @@ class Tracer:
         # A record takes its size plus an 8-byte ring header.
         capacity = self.ringbuf_pages * 4096 // (CALL_DTYPE.itemsize + 8)
         wakeup_every = max(1, min(64, capacity // 4))
+        retprobes = sum(1 << fn.fid for fn in self.catalog.functions if not fn.return_site)
         return [f"-I{probes_dir()}", f"-DGH_RINGBUF_PAGES={self.ringbuf_pages}",
-                f"-DGH_WAKEUP_EVERY={wakeup_every}"]
+                f"-DGH_WAKEUP_EVERY={wakeup_every}",
+                f"-DGH_NFUNCS={len(self.catalog.functions)}",
+                f"-DGH_RETPROBES={retprobes:#x}ULL"]
 
     def source_path(self) -> str:
         return str(probes_dir() / "calls.bpf.c")
