@@ -26,7 +26,8 @@ import numpy as np
 from . import GreyhoundError
 from .analysis import (Acks, Activity, AnalysisConfig, Calls, JobAnalysis, PlanWritten,
                        Targets, Tick, Validated)
-from .diagnosis.host import PAUSE_MAX_S, Background, busy_since, describe_rank
+from .diagnosis.cpu import Background
+from .diagnosis.host import PAUSE_MAX_S, OtherValidations, describe_rank
 from .diagnosis.planner import PAUSE_BUDGET
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
 from .events import make_event
@@ -145,10 +146,10 @@ class AttachSession:
         self.metrics = None
         self.exited_pids: set[int] = set()
         self.validator = None                      # diagnosis.validator.Service, at first use
+        self.background: Background | None = None   # diagnosis.cpu.Background, in run()
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
         self._acks_last = None
-        self._other_busy: str | None = None        # id of another greyhound's open span
-        self._other_n = 0
+        self.others = OtherValidations()
 
     def _default_job(self) -> str:
         st = read_stat(self.opts.pids[0]) if self.opts.pids else None
@@ -241,14 +242,18 @@ class AttachSession:
     # -- main loop -----------------------------------------------------------
 
     def run(self) -> int:
-        self.preflight()
+        # Starting costs seconds of CPU (the first scan, the BPF program's
+        # compile, the kernels' cache, symbol tables): in the background (the
+        # command line's, from before its imports), back once the probes are in.
+        background = self.background = Background.start()
+        try:
+            self.preflight()
+        except BaseException:
+            background.close()
+            raise
         self.tracer = Tracer(self.catalog, self.opts.ringbuf_pages, self.opts.count_launches)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         t0 = time.monotonic()
-        # Starting costs seconds of CPU (the BPF program's compile, the
-        # kernels' cache, symbol tables): in the background, so that a busy
-        # job does not lose them; back in front once the probes are in.
-        background = Background().enter()
         try:
             if self.opts.metrics_port is not None:
                 from .output.metrics import Metrics
@@ -292,6 +297,7 @@ class AttachSession:
                 self.recorder.close()
             if self.metrics:
                 self.metrics.close()
+            background.close()      # the workers are gone: the idle group goes
         return 0
 
     def _on_signal(self, signum, frame) -> None:
@@ -452,18 +458,9 @@ class AttachSession:
                 and os.path.exists(f"/proc/{pid}")]
 
     def _note_other_greyhounds(self) -> None:
-        """Another greyhound validating on this machine loads it too: its
-        span is an input of the analysis, as ours are."""
-        since = busy_since(exclude_pid=os.getpid())
-        if since is not None and self._other_busy is None:
-            self._other_n += 1
-            self._other_busy = f"other-{self._other_n}"
-            self._other_since = since
-            self.feed(Activity(self.now_ns(), self._other_busy, "other", since, None))
-        elif since is None and self._other_busy is not None:
-            self.feed(Activity(self.now_ns(), self._other_busy, "other", self._other_since,
-                               self.now_ns()))
-            self._other_busy = None
+        span = self.others.poll(self.now_ns())
+        if span is not None:
+            self.feed(Activity(self.now_ns(), *span))
 
     def _start_validation(self, ev: dict) -> None:
         """Benchmark the ranks' devices and links in the background
@@ -472,7 +469,8 @@ class AttachSession:
         if self.validator is None:
             from .diagnosis.validator import Service
             self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
-                                     self.now_ns, self.opts.pause_max_s)
+                                     self.now_ns, self.opts.pause_max_s,
+                                     idle_group=self.background and self.background.group)
         self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]],
                                ev.get("devices"))
         self.say(f"validating {len(ev.get('devices') or members)} device(s) and "

@@ -7,9 +7,9 @@ import signal
 import sys
 
 from . import GreyhoundError, __version__
-from .diagnosis.host import PAUSE_MAX_S
-from .diagnosis.planner import PAUSE_BUDGET
-from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
+# Standard library only: `attach` enters the background before the heavy
+# imports (numpy, Numba, BCC), which cost a saturated job CPU otherwise.
+from .diagnosis.cpu import Background, IdleGroup
 
 EPILOG_ATTACH = """\
 examples:
@@ -90,32 +90,6 @@ def _listen(text: str) -> tuple[str, int]:
     return addr or "127.0.0.1", p
 
 
-def _metrics_tls(args, addr: str, port: int | None) -> dict | None:
-    """prometheus-client's TLS options from --metrics-cert/-key/-client-ca;
-    refuses plain HTTP on an address other than loopback unless asked."""
-    import ipaddress
-    if args.metrics_key and not args.metrics_cert or args.metrics_cert and not args.metrics_key:
-        raise GreyhoundError("--metrics-cert and --metrics-key go together", exit_code=2)
-    if args.metrics_client_ca and not args.metrics_cert:
-        raise GreyhoundError("--metrics-client-ca needs TLS: --metrics-cert and --metrics-key",
-                             exit_code=2)
-    for f in (args.metrics_cert, args.metrics_key, args.metrics_client_ca):
-        if f and not os.path.isfile(f):
-            raise GreyhoundError(f"no such file: {f}", exit_code=2)
-    if port is None or args.metrics_cert:
-        return {"certfile": args.metrics_cert, "keyfile": args.metrics_key,
-                "client_cafile": args.metrics_client_ca} if args.metrics_cert else None
-    try:
-        loopback = ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        loopback = addr == "localhost"
-    if not loopback and not args.metrics_plaintext:
-        raise GreyhoundError(
-            f"--metrics {addr}:{port} is reachable from the network: serve it over TLS "
-            "(--metrics-cert FILE --metrics-key FILE), or say --metrics-plaintext", exit_code=2)
-    return None
-
-
 def _pid(text: str) -> int:
     try:
         v = int(text)
@@ -162,6 +136,9 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .diagnosis.host import PAUSE_MAX_S
+    from .diagnosis.planner import PAUSE_BUDGET
+    from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
     p = argparse.ArgumentParser(
         prog="greyhound-trace",
         description="Catch fail-slow GPUs and links in a running training job with eBPF.")
@@ -359,7 +336,9 @@ def cmd_attach(args) -> int:
     addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)
     if args.metrics_addr and args.metrics_port is None and not args.metrics:
         raise GreyhoundError("--metrics-addr needs a port: --metrics ADDR:PORT")
-    tls = _metrics_tls(args, addr, port)
+    from .output.metrics import tls_options
+    tls = tls_options(args.metrics_cert, args.metrics_key, args.metrics_client_ca,
+                      addr, port, args.metrics_plaintext)
     opts = AttachOptions(
         pids=pids, json_path=out, record_path=args.record, calls=args.calls,
         duration=args.duration,
@@ -488,11 +467,18 @@ def cmd_validate(args) -> int:
     # host that a tracer there must not blame on the job.
     with host.Busy("check"):
         validator.check_python(args.python)
+    # The workers' start-up (a torch import each) on CPU the job leaves idle.
+    idle = IdleGroup.create() if args.pids else None
     v = validator.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
                            start_timeout_s=args.timeout, python=args.python,
                            progress=lambda msg: err.print(f"greyhound-trace: {msg}",
-                                                          highlight=False))
-    fields = rules.decide(v.run()).fields()
+                                                          highlight=False),
+                           idle_group=idle)
+    try:
+        fields = rules.decide(v.run()).fields()
+    finally:
+        if idle is not None:
+            idle.remove()
     target = _json_target(args)
     if target:
         out = JsonLinesWriter(target)
@@ -515,6 +501,9 @@ def cmd_check(args) -> int:
     except GreyhoundError as e:
         rows.append(Row("cgroup cpu controller", WARN, f"{e} (`inject compute` and the demo "
                         "need it; tracing does not)"))
+    if os.geteuid() == 0:
+        ok, detail = IdleGroup.check()
+        rows.append(Row("idle CPU group", OK if ok else WARN, detail))
     Console().print(render(rows))
     code = exit_code(rows)
     print("tracing can work" if code == 0 else "tracing cannot work until the FAIL lines are fixed")
@@ -526,6 +515,21 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    early = None
+    if words[:1] == ["attach"] and os.geteuid() == 0 and \
+            not {"-h", "--help", "--ebpf"} & set(words):
+        # From the first moment: everything before the probes are in is
+        # start-up, the Python imports included (diagnosis/cpu.py).
+        early = Background.start()
+    try:
+        return _main(argv)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

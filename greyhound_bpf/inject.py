@@ -26,10 +26,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from dataclasses import dataclass
-
 from . import GreyhoundError
-from .diagnosis.host import _cgroup_mounts
+from .diagnosis.cpu import (IDLE_PREFIX, CpuController, _cgroup_mounts, _words,  # noqa: F401
+                             cgroup_path, cpu_controller, idle_group_owner_alive)
 from .probe.discovery import threads_of
 
 STATE_DIR = Path(os.environ.get("GREYHOUND_STATE_DIR", "/run/greyhound/inject"))
@@ -42,51 +41,6 @@ GROUP_PREFIX = "greyhound-"
 # throttling evenly over every iteration, like a lowered clock.
 PERIOD_US = 2_000
 MIN_QUOTA_US = 1_000
-
-
-@dataclass(frozen=True)
-class CpuController:
-    """Where the cpu controller is: a cgroup v1 hierarchy or cgroup v2."""
-    version: int
-    root: Path
-
-    def describe(self) -> str:
-        return f"cgroup v{self.version} at {self.root}"
-
-
-def cpu_controller() -> CpuController:
-    """The hierarchy that holds the cpu controller now: a v1 mount with
-    `cpu`, or else the v2 mount whose root offers `cpu`."""
-    mounts = _cgroup_mounts()
-    for key, mnt in mounts.items():
-        if key and "cpu" in key.split(","):
-            return CpuController(1, mnt)
-    v2 = mounts.get("")
-    if v2 is not None:
-        try:
-            if "cpu" in (v2 / "cgroup.controllers").read_text().split():
-                return CpuController(2, v2)
-        except OSError:
-            pass
-    raise GreyhoundError("no cgroup cpu controller here: neither a cgroup v1 `cpu` hierarchy "
-                         "nor `cpu` in cgroup v2's cgroup.controllers", exit_code=1)
-
-
-def cgroup_path(pid: int, ctl: CpuController) -> Path:
-    """The cgroup of `pid` in the cpu controller's hierarchy."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        hid, controllers, path = line.split(":", 2)
-        if (ctl.version == 1 and "cpu" in controllers.split(",")) or \
-                (ctl.version == 2 and hid == "0" and controllers == ""):
-            return ctl.root / path.lstrip("/")
-    return ctl.root
-
-
-def _words(f: Path) -> list[str]:
-    try:
-        return f.read_text().split()
-    except OSError:
-        return []
 
 
 class CpuQuota:
@@ -192,7 +146,9 @@ class CpuQuota:
 
 
 def leftover_groups() -> list[Path]:
-    """Our CPU groups on every hierarchy (the controller may have moved)."""
+    """Our CPU groups on every hierarchy (the controller may have moved):
+    injections' groups, and idle groups of tracers that are gone (a running
+    tracer's own is not left over)."""
     found = []
     for key, mnt in _cgroup_mounts().items():
         if key == "":
@@ -201,7 +157,8 @@ def leftover_groups() -> list[Path]:
                 subdirs[:] = [s for s in subdirs if not s.startswith(GROUP_PREFIX)]
         elif "cpu" in key.split(","):
             found += mnt.glob(f"{GROUP_PREFIX}*")
-    return sorted(found)
+    return sorted(g for g in found
+                  if not (g.name.startswith(IDLE_PREFIX) and idle_group_owner_alive(g)))
 
 
 def _empty_group(group: Path, back: Path) -> None:

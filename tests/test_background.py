@@ -1,16 +1,20 @@
-"""Start-up at SCHED_IDLE (diagnosis.host.Background), in a child process so
-that pytest's own threads keep their scheduling."""
+"""Start-up at SCHED_IDLE and in an idle CPU group (diagnosis.cpu.Background,
+IdleGroup), in a child process so that pytest's own threads keep their
+scheduling and group; idle validation workers wait in that group."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from greyhound_bpf.diagnosis.host import Background
+from greyhound_bpf.diagnosis.cpu import Background
 from greyhound_bpf.probe.discovery import threads_of
 
 def policies():
@@ -53,3 +57,97 @@ def test_start_up_is_idle_then_restored_at_nice():
 def test_a_start_up_that_lasts_is_restored_by_the_watchdog():
     got = run_child(0.3)
     assert got["timed_out"] is True and got["after"] == [0] and got["nice"] == 5, got
+
+
+# -- the idle CPU group (needs root: it makes a cgroup) ----------------------------
+
+GROUP_CHILD = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from greyhound_bpf.diagnosis.cpu import Background, cgroup_path
+
+bg = Background(nice=5, max_s=20.0).enter()
+assert bg.group is not None, bg.group
+ctl = bg.group.ctl
+path = bg.group.path
+out = {"path": str(path), "idle": str(cgroup_path(os.getpid(), ctl)),
+       "cpu_idle": (path / "cpu.idle").read_text().strip()}
+bg.restore()
+out["after"] = str(cgroup_path(os.getpid(), ctl))
+out["kept"] = path.is_dir()
+bg.close()
+out["removed"] = not path.exists()
+out["root"] = str(ctl.root)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.bpf
+def test_start_up_runs_in_an_idle_cpu_group_then_goes_home():
+    r = subprocess.run([sys.executable, "-c", GROUP_CHILD, str(ROOT)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    # While starting: in greyhound-idle-<pid>, marked idle for the scheduler
+    # (SCHED_IDLE alone ranks it only within its own autogroup).
+    assert got["idle"] == got["path"] and Path(got["path"]).name.startswith("greyhound-idle-")
+    assert got["cpu_idle"] == "1", got
+    # Probes in: back where it came from (here the root); the group stays for
+    # idle validation workers until close().
+    assert got["after"] == got["root"] and got["kept"] and got["removed"], got
+
+
+@pytest.mark.bpf
+def test_an_idle_group_left_by_a_killed_tracer_is_cleaned_and_counted():
+    from greyhound_bpf.diagnosis.cpu import IDLE_PREFIX, IdleGroup, cpu_controller
+    from greyhound_bpf.inject import leftover_groups
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                  # a pid that no longer runs
+    stale = cpu_controller().root / f"{IDLE_PREFIX}{dead.pid}"
+    stale.mkdir()
+    try:
+        assert stale in leftover_groups()        # a dead tracer's group is left over
+        mine = IdleGroup.create()                # the next start removes it
+        assert mine is not None and not stale.exists()
+        assert mine.path not in leftover_groups()    # a live tracer's is not
+        mine.remove()
+        assert not mine.path.exists()
+    finally:
+        if stale.exists():
+            stale.rmdir()
+
+
+@pytest.mark.bpf
+def test_a_validation_worker_waits_in_the_idle_group():
+    from greyhound_bpf.diagnosis.cpu import IdleGroup, cgroup_path, cgroups_of
+    from greyhound_bpf.diagnosis.host import Member
+    from greyhound_bpf.diagnosis.workers import Worker
+    group = IdleGroup.create()
+    assert group is not None, IdleGroup.why_not
+    # A "rank" in our own groups: place() moves the worker there to measure.
+    w = Worker(Member(0, cgroups=cgroups_of(os.getpid())), 1, 30.0, idle_group=group)
+    try:
+        # From its first moment (its torch import is the CPU the job would lose).
+        assert cgroup_path(w.proc.pid, group.ctl) == group.path
+        w.place()                                # measuring: back among normal tasks
+        assert cgroup_path(w.proc.pid, group.ctl) != group.path
+        w.idle()
+        assert cgroup_path(w.proc.pid, group.ctl) == group.path
+    finally:
+        w.kill()
+        group.remove()
+    assert not group.path.exists()
+
+
+@pytest.mark.bpf
+def test_an_idle_group_can_be_made_ordinary_for_a_start_up_that_cannot_wait():
+    from greyhound_bpf.diagnosis.cpu import IdleGroup
+    group = IdleGroup.create()
+    assert group is not None, IdleGroup.why_not
+    try:
+        group.set_idle(False)       # validation workers past IDLE_START_MAX_S
+        assert (group.path / "cpu.idle").read_text().strip() == "0"
+        group.set_idle(True)
+        assert (group.path / "cpu.idle").read_text().strip() == "1"
+    finally:
+        group.remove()

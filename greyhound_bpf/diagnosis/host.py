@@ -11,12 +11,12 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..probe.discovery import read_environ, read_stat, threads_of
+from ..probe.discovery import read_environ, read_stat
+from .cpu import cgroups_of
 from .gpus import Gpu, Placement, open_minors, place
 
 # Longest the job may be paused by one validation (`--pause-max`): a
@@ -41,53 +41,6 @@ class Member:
     # GPU ranks: how their GPU was found, or "unknown: why" (its GEMM is
     # then not measured; its links are measured from the worker's cuda:0).
     placement: str = ""
-
-
-def _cgroup_key(ctrls) -> str:
-    """A hierarchy's name: its sorted v1 controllers ('cpu,cpuacct'), its
-    name= for a named v1 hierarchy, or '' for the v2 unified one."""
-    names = [c for c in ctrls if c.startswith("name=")]
-    return names[0] if names else ",".join(sorted(c for c in ctrls if c))
-
-
-def _cgroup_mounts() -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return out
-    for ln in lines:
-        left, _, right = ln.partition(" - ")
-        fstype, _src, opts = (right.split() + ["", "", ""])[:3]
-        mnt = Path(left.split()[4])
-        if fstype == "cgroup2":
-            out.setdefault("", mnt)
-        elif fstype == "cgroup":
-            known = {"rw", "ro", "nosuid", "nodev", "noexec", "relatime", "clone_children"}
-            key = _cgroup_key([o for o in opts.split(",") if o not in known
-                               and (o.startswith("name=") or "=" not in o)])
-            if key:
-                out.setdefault(key, mnt)
-    return out
-
-
-def cgroups_of(pid: int) -> list[Path]:
-    """The cgroup.procs files of every hierarchy `pid` is in (v1 and v2)."""
-    mounts = _cgroup_mounts()
-    files = []
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return files
-    for ln in lines:
-        _hid, ctrls, path = ln.split(":", 2)
-        mnt = mounts.get(_cgroup_key(ctrls.split(",")))
-        if mnt is None:
-            continue
-        f = mnt / path.lstrip("/") / "cgroup.procs"
-        if f.exists():
-            files.append(f)
-    return files
 
 
 def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
@@ -237,60 +190,6 @@ class MeasureLock:
             self.fh.close()                 # releases the lock
 
 
-class Background:
-    """This process, every thread of it, at SCHED_IDLE while it starts
-    (importing, compiling the BPF program, scanning symbol tables: seconds
-    of CPU that a saturated job would lose). `restore()` puts it back at
-    `nice` once the probes are in: a tracer then needs a little CPU,
-    promptly (the ring buffer's records), not much. A machine the job keeps
-    saturated would starve an idle start-up for minutes: after `max_s` a
-    watchdog thread (created before the others go idle, so never idle
-    itself) restores it anyway."""
-
-    def __init__(self, nice: int = 5, max_s: float = 20.0):
-        self.nice, self.max_s = nice, max_s
-        self.idle = False
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self.timed_out = False
-
-    def enter(self) -> "Background":
-        watchdog = threading.Thread(target=self._watch, name="greyhound-background",
-                                    daemon=True)
-        watchdog.start()
-        self.idle = True
-        self._policy(os.SCHED_IDLE, skip=watchdog.native_id)
-        return self
-
-    def _watch(self) -> None:
-        if not self._done.wait(self.max_s):
-            self.timed_out = True
-            self.restore()
-
-    def restore(self) -> None:
-        self._done.set()
-        with self._lock:
-            if not self.idle:
-                return
-            self.idle = False
-            self._policy(os.SCHED_OTHER)
-            for tid in threads_of(os.getpid()):
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, self.nice)
-                except OSError:
-                    pass
-
-    @staticmethod
-    def _policy(policy: int, skip: int | None = None) -> None:
-        for tid in threads_of(os.getpid()):
-            if tid == skip:
-                continue
-            try:
-                os.sched_setscheduler(tid, policy, os.sched_param(0))
-            except OSError:
-                pass
-
-
 class Busy:
     """Announces that validation workers are starting or measuring on this
     machine: a file per activity, gone when it ends (a dead writer's file is
@@ -351,3 +250,25 @@ def busy_since(exclude_pid: int | None = None) -> int | None:
             continue
         since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
     return since
+
+
+class OtherValidations:
+    """Another greyhound validating on this machine loads it too: its span,
+    as (id, "other", start_ns, end_ns or None) when it begins and ends, is
+    an input of the analysis, as ours are."""
+
+    def __init__(self):
+        self.open: str | None = None
+        self.since = 0
+        self.n = 0
+
+    def poll(self, now_ns: int) -> tuple | None:
+        since = busy_since(exclude_pid=os.getpid())
+        if since is not None and self.open is None:
+            self.n += 1
+            self.open, self.since = f"other-{self.n}", since
+            return (self.open, "other", since, None)
+        if since is None and self.open is not None:
+            span, self.open = (self.open, "other", self.since, now_ns), None
+            return span
+        return None

@@ -32,11 +32,13 @@ the host plumbing (pause, lock, cgroups) in greyhound_bpf.diagnosis.host.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from .. import GreyhoundError
 from ..probe.discovery import read_stat
 from .gpus import nvml_gpus, wait_drained
+from .cpu import IdleGroup
 from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of
 from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
@@ -54,6 +56,13 @@ CONFIRM_AFTER_S = 3.0
 # of a healthy host read at most x1.7; a CPU quota at half reads x5-6.
 CONFIRM_SKIP_RATIO = 3.0
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
+# Workers start in the idle CPU group, on CPU the job leaves unused; on a
+# machine the job saturates that may be none, so after this long the group
+# is made an ordinary one until they have started: all of them together
+# then weigh as one session, as the tracer's start-up does after
+# Background's watchdog (each in a session of its own, as before, four
+# workers took 80% of the CPU from a job in one).
+IDLE_START_MAX_S = 10.0
 STEP_TIMEOUT_S = 15.0        # one benchmark command
 
 
@@ -62,7 +71,8 @@ class Validator:
                  pause: bool = True, pause_max_s: float = PAUSE_MAX_S,
                  start_timeout_s: float = START_TIMEOUT_S, progress=None,
                  report: SpanReport | None = None, python: str = sys.executable,
-                 confirm_skip_ratio: float = CONFIRM_SKIP_RATIO):
+                 confirm_skip_ratio: float = CONFIRM_SKIP_RATIO,
+                 idle_group: IdleGroup | None = None):
         if len(members) < 1:
             raise GreyhoundError("nothing to validate: no ranks")
         self.members = sorted(members, key=lambda m: m.rank)
@@ -80,6 +90,8 @@ class Validator:
         self.report = report
         self.python = python
         self.confirm_skip_ratio = confirm_skip_ratio
+        # Where workers start and wait (cpu.IdleGroup), or None.
+        self.idle_group = idle_group
         self.workers: dict[int, Worker] = {}
         self.ready: list[int] = []
         self.cancelled = False
@@ -196,10 +208,28 @@ class Validator:
             try:
                 self.workers[m.rank] = Worker(
                     Member(self.index[m.rank], m.pid, m.device, m.netns, m.cgroups,
-                           m.affinity, m.env, m.placement), n, STEP_TIMEOUT_S, self.python)
+                           m.affinity, m.env, m.placement), n, STEP_TIMEOUT_S, self.python,
+                    self.idle_group)
             except OSError as e:
                 res.untested.append(f"rank {m.rank}: worker did not start ({e})")
         deadline = time.monotonic() + self.start_timeout_s
+        group = self.idle_group
+        promote = None
+        if group is not None:
+            promote = threading.Timer(IDLE_START_MAX_S, group.set_idle, (False,))
+            promote.daemon = True
+            promote.start()
+        try:
+            return self._join(res, deadline)
+        finally:
+            if promote is not None:
+                promote.cancel()
+                try:
+                    group.set_idle(True)
+                except OSError:
+                    pass                        # removed meanwhile (closing)
+
+    def _join(self, res: Result, deadline: float) -> list[int]:
         first = self.members[0].rank
         if first not in self.workers:
             res.untested.append("links: no worker for the first rank, which hosts the store")
@@ -446,10 +476,11 @@ class Service:
     (request id, Result)) once a request is measured."""
 
     def __init__(self, post, clock, pause_max_s: float = PAUSE_MAX_S,
-                 python: str = sys.executable):
+                 python: str = sys.executable, idle_group: IdleGroup | None = None):
         import queue
         import threading
         self.post, self.pause_max_s, self.python = post, pause_max_s, python
+        self.idle_group = idle_group
         self.report = SpanReport(lambda *span: post("activity", span), clock)
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.key: tuple | None = None          # the (rank, pid, device) set the pool is for
@@ -499,6 +530,7 @@ class Service:
             self.key = key
             self.pool = pool = Validator(members, pause_max_s=self.pause_max_s,
                                          report=self.report, python=self.python,
+                                         idle_group=self.idle_group,
                                          progress=lambda msg: self.post("progress", msg))
             untested = pool.start()
             if not pool.ready:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .. import GreyhoundError
 from ..probe.discovery import threads_of
-from .host import PASS_ENV, Member, cgroups_of
+from .cpu import IdleGroup, cgroups_of
+from .host import PASS_ENV, Member
 
 class WorkerError(Exception):
     pass
@@ -36,8 +37,10 @@ def check_python(python: str) -> None:
 
 
 class Worker:
-    def __init__(self, m: Member, world: int, timeout_s: float, python: str = sys.executable):
+    def __init__(self, m: Member, world: int, timeout_s: float, python: str = sys.executable,
+                 idle_group: IdleGroup | None = None):
         self.m = m
+        self.idle_group = idle_group
         self.err = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ)
         for k in PASS_ENV:
@@ -54,6 +57,11 @@ class Worker:
             cmd = ["nsenter", f"--net={m.netns}", "--", *cmd]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err, env=env, start_new_session=True)
+        # Its own session is its own autogroup, where SCHED_IDLE ranks it
+        # against nothing: the idle group keeps its torch import off the
+        # job's CPU (cpu.IdleGroup).
+        if idle_group is not None:
+            idle_group.join(self.proc.pid)
         self.buf = b""
         if m.affinity:
             try:
@@ -90,8 +98,10 @@ class Worker:
                 pass
 
     def idle(self) -> None:
-        """Between measurements: out of the rank's groups, and SCHED_IDLE."""
-        self.unplace()
+        """Between measurements: out of the rank's groups, into the idle
+        group where there is one, and SCHED_IDLE."""
+        if self.idle_group is None or not self.idle_group.join(self.proc.pid):
+            self.unplace()
         for tid in threads_of(self.proc.pid):
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

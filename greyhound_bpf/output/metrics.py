@@ -37,6 +37,8 @@ a straggler: only a diagnosis names one. No label is called `job`
 """
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 import ssl
 
@@ -44,6 +46,32 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from .. import GreyhoundError, __version__
 from ..events import is_speed_sample
+
+
+def tls_options(cert: str | None, key: str | None, client_ca: str | None, addr: str,
+                port: int | None, plaintext: bool) -> dict | None:
+    """prometheus-client's TLS options from --metrics-cert/-key/-client-ca;
+    refuses plain HTTP on an address other than loopback unless asked."""
+    if key and not cert or cert and not key:
+        raise GreyhoundError("--metrics-cert and --metrics-key go together", exit_code=2)
+    if client_ca and not cert:
+        raise GreyhoundError("--metrics-client-ca needs TLS: --metrics-cert and --metrics-key",
+                             exit_code=2)
+    for f in (cert, key, client_ca):
+        if f and not os.path.isfile(f):
+            raise GreyhoundError(f"no such file: {f}", exit_code=2)
+    if port is None or cert:
+        return {"certfile": cert, "keyfile": key,
+                "client_cafile": client_ca} if cert else None
+    try:
+        loopback = ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = addr == "localhost"
+    if not loopback and not plaintext:
+        raise GreyhoundError(
+            f"--metrics {addr}:{port} is reachable from the network: serve it over TLS "
+            "(--metrics-cert FILE --metrics-key FILE), or say --metrics-plaintext", exit_code=2)
+    return None
 
 
 class Metrics:
