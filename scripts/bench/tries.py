@@ -1,0 +1,177 @@
+"""How often a straggler is named, tried many times on one live job: the
+way a user meets Greyhound (issue #12's two goals, as rates).
+
+- *before*: a rank is already slow when `attach` starts; named (right rank,
+  `computation`) within 15 s of the attach event? (goal: >= 95% of tries)
+- *after*: a rank slows 0-10 s after a fresh attach (the offset drawn per
+  try); named within 20 s of its onset? (goal: >= 95%)
+
+Every try also counts wrong verdicts (a named cause other than
+`computation` on the slow rank; goal: 0). The job is
+scripts/user_train.py under torchrun, 4 ranks with a DataLoader worker each
+on this 2-core VM, a width and batch no rule was tuned on (the scenario
+corpus and the live tests use 2-3 ranks at the defaults). Per try the slow
+rank and its share of the CPU it was using (0.25-0.45) are drawn from a
+seeded generator; the quota is lifted and the tracer stopped between tries.
+
+    sudo scripts/bench_tries                  # 8 tries of each, seed 7
+    sudo scripts/bench_tries --tries 20 --seed 11 --only before
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import DDPJob, Timeout, Tracer, cpu_share, wait_for  # noqa: E402
+
+from greyhound_bpf.inject import CpuQuota  # noqa: E402
+
+NPROC = 4
+TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
+BEFORE_WITHIN_S = 15.0
+AFTER_WITHIN_S = 20.0
+
+
+def attached(t: Tracer) -> int | None:
+    """The attach event's time, once the probes are in (None: no attach)."""
+    try:
+        wait_for(lambda: t.events("attach") or t.proc.poll() is not None, 60, "the attach")
+    except Timeout:
+        pass
+    evs = t.events("attach")
+    return evs[0]["time_ns"] if evs else None
+
+
+def named(t: Tracer, since_ns: int = 0) -> list[dict]:
+    return [e for e in t.events("diagnosis") if e["cause"] != "unknown"
+            and e["time_ns"] >= since_ns]
+
+
+def judge(verdicts: list[dict], rank: int, t_ns: int, within_s: float) -> tuple[bool, int, float]:
+    """(named right in time, wrong verdicts, seconds to the first right one)."""
+    right = [e for e in verdicts if e["cause"] == "computation" and e["ranks"] == [rank]]
+    wrong = len(verdicts) - len(right)
+    if not right:
+        return False, wrong, float("nan")
+    s = (right[0]["time_ns"] - t_ns) / 1e9
+    return s <= within_s, wrong, s
+
+
+def try_before(work, job, ranks, i, rank, share) -> dict:
+    used = cpu_share(ranks[rank], 2)
+    with CpuQuota(ranks[rank], max(0.02, share * used)):
+        time.sleep(5)                              # slow before we come
+        t = Tracer(work, [job.pid], "-q", name=f"before-{i}")
+        try:
+            t0 = attached(t)
+            if t0 is None:
+                return {"ok": False, "wrong": 0, "s": float("nan"), "why": "no attach"}
+            try:
+                wait_for(lambda: named(t), BEFORE_WITHIN_S + 2, interval=0.25)
+            except Timeout:
+                pass
+            time.sleep(2)                          # a wrong verdict just after counts too
+            ok, wrong, s = judge(named(t), rank, t0, BEFORE_WITHIN_S)
+        finally:
+            t.stop()
+            t.close()
+    return {"ok": ok, "wrong": wrong, "s": s}
+
+
+def try_after(work, job, ranks, i, rank, share, offset) -> dict:
+    t = Tracer(work, [job.pid], "-q", name=f"after-{i}")
+    try:
+        if attached(t) is None:
+            return {"ok": False, "wrong": 0, "s": float("nan"), "why": "no attach"}
+        time.sleep(offset)
+        used = cpu_share(ranks[rank], 0.5)
+        early = named(t)                           # the healthy phase names nothing
+        with CpuQuota(ranks[rank], max(0.02, share * used)):
+            t_on = time.time_ns()
+            try:
+                wait_for(lambda: named(t, t_on), AFTER_WITHIN_S, interval=0.25)
+            except Timeout:
+                pass
+            time.sleep(2)
+            ok, wrong, s = judge(named(t, t_on), rank, t_on, AFTER_WITHIN_S)
+    finally:
+        t.stop()
+        t.close()
+    return {"ok": ok, "wrong": wrong + len(early), "s": s}
+
+
+def describe(r: dict, kind: str) -> str:
+    out = f"rank {r['rank']} at {r['share']:.2f}"
+    if kind == "after":
+        out += f", {r['offset']:.1f} s after attach"
+    out += ": named" if r["ok"] else ": NOT named in time"
+    if r["s"] == r["s"]:
+        out += f" after {r['s']:.1f} s"
+    if r["wrong"]:
+        out += f", {r['wrong']} wrong"
+    if "why" in r:
+        out += f" ({r['why']})"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="examples:\n  sudo scripts/bench_tries\n"
+                                 "  sudo scripts/bench_tries --tries 20 --seed 11",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tries", type=int, default=8, help="tries of each kind")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--only", choices=("before", "after"))
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_tries: needs root (BPF, cgroups): sudo scripts/bench_tries", file=sys.stderr)
+        return 1
+    rng = random.Random(args.seed)
+    kinds = [k for k in ("before", "after") if args.only in (None, k)]
+    plan = [(k, rng.randrange(NPROC), rng.uniform(0.25, 0.45), rng.uniform(0, 10))
+            for _ in range(args.tries) for k in kinds]
+    work = Path(tempfile.mkdtemp(prefix="greyhound-bench-tries."))
+    job = DDPJob(work, NPROC, *TRAIN, trainer="user", name="job")
+    results = {k: [] for k in kinds}
+    try:
+        ranks = job.ranks(NPROC)
+        job.trained(40, 240)
+        time.sleep(5)
+        for i, (kind, rank, share, offset) in enumerate(plan):
+            r = (try_before(work, job, ranks, i, rank, share) if kind == "before"
+                 else try_after(work, job, ranks, i, rank, share, offset))
+            r.update(rank=rank, share=share, offset=offset)
+            results[kind].append(r)
+            print(f"try {i + 1}/{len(plan)} {kind}: {describe(r, kind)}", file=sys.stderr,
+                  flush=True)
+            time.sleep(4)                          # the quota lifted: back to healthy
+    except KeyboardInterrupt:
+        print("bench_tries: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        job.close()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{NPROC} user_train ranks ({' '.join(TRAIN)}), seed {args.seed}:")
+    print(f"{'straggler':<26} {'named':>9} {'wrong':>6} {'delay (median)':>15}")
+    for kind in kinds:
+        rs = results[kind]
+        ok = sum(r["ok"] for r in rs)
+        delays = [r["s"] for r in rs if r["ok"]]
+        what = ("before attach (<= 15 s)" if kind == "before"
+                else "0-10 s after (<= 20 s)")
+        print(f"{what:<26} {ok:>4}/{len(rs):<4} {sum(r['wrong'] for r in rs):>6} "
+              f"{(statistics.median(delays) if delays else float('nan')):>13.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
