@@ -29,6 +29,14 @@ def _bpf_unavailable() -> str | None:
 
 BPF_PROBLEM = _bpf_unavailable()
 _skipped_bpf: list[str] = []
+_loud: dict[str, str] = {}          # banner -> why: privileged tests this machine cannot run
+
+
+def loud_skip(banner: str, why: str):
+    """Skip a privileged test that this machine cannot run, for a reason
+    outside the project (said in red in the run's summary, never silently)."""
+    _loud[banner] = why
+    pytest.skip(f"{banner}: {why}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +56,9 @@ def _bpf_gate(request):
 
 
 def pytest_terminal_summary(terminalreporter):
+    for banner, why in _loud.items():
+        terminalreporter.write_sep("!", banner, red=True, bold=True)
+        terminalreporter.write_line(why, red=True)
     if _skipped_bpf:
         tr = terminalreporter
         tr.write_sep("!", f"{len(_skipped_bpf)} BPF TESTS DID NOT RUN: {BPF_PROBLEM}", red=True, bold=True)
