@@ -160,9 +160,9 @@ class IdleGroup:
         weight of one session, shared by everything in it, for a start-up
         that cannot wait any longer."""
         try:
+            # cpu.idle=0 gives the group back its weight, never changed here.
             (self.path / "cpu.idle").write_text("1" if idle else "0")
-            if idle:
-                return
+            return
         except OSError:
             pass                                # no cpu.idle (before 5.15): weights only
         if self.ctl.version == 1:
@@ -259,13 +259,12 @@ class Background:
             cls._running = cls().enter()
         return cls._running
 
-    def __init__(self, nice: int = 5, max_s: float = 20.0, group: bool = True):
+    def __init__(self, nice: int = 5, max_s: float = 20.0):
         self.nice, self.max_s = nice, max_s
         self.idle = False
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.timed_out = False
-        self.want_group = group
         self.group: IdleGroup | None = None
         self._home: Path | None = None
 
@@ -275,11 +274,10 @@ class Background:
         watchdog.start()
         self.idle = True
         self._policy(os.SCHED_IDLE, skip=watchdog.native_id)
-        if self.want_group:
-            self.group = IdleGroup.create()
-            if self.group is not None:
-                self._home = cgroup_path(os.getpid(), self.group.ctl)
-                self.group.join(os.getpid())
+        self.group = IdleGroup.create()
+        if self.group is not None:
+            self._home = cgroup_path(os.getpid(), self.group.ctl)
+            self.group.join(os.getpid())
         return self
 
     def close(self) -> None:
