@@ -296,7 +296,8 @@ class ControlFile:
     def announce(self, **state) -> None:
         """Tell the tool what this rank runs before any plan (an ack of seq
         0): ``microbatches`` (this rank's count), ``world``, and for a
-        pipeline ``stage`` and ``layer_split``; ``checkpoint=True`` when the
+        pipeline ``stage``, ``layer_split`` and ``pp_microbatches`` (the
+        schedule's micro-batches per step); ``checkpoint=True`` when the
         trainer can save and resume (S3/S4). The tool only proposes what a
         trainer announced it can do."""
         self._write_ack(0, state)

@@ -113,6 +113,7 @@ class Greyhound:
                 state["microbatches"] = self.microbatches
             if stage is not None:
                 state["stage"] = stage
+                state["pp_microbatches"] = microbatches   # the schedule's, for its bubble
             if layer_split is not None:
                 state["layer_split"] = list(layer_split)
             self.ctl.announce(**state)

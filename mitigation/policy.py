@@ -538,8 +538,10 @@ class SkiRentalPolicy:
         e = self.episode
         if not self.allow_restart or e is None or e.restart_considered or e.healthy_ms is None:
             return None
+        # The iteration now: the recent median (one iteration's is noise).
         d = restart_decision(self.announced, self.ranks, self._speeds(), self._current_split(),
-                             self.job_ms(), e.healthy_ms, e.loss_ms, self.restart_cost(),
+                             self.recent_job_ms() or self.job_ms(), e.healthy_ms, e.loss_ms,
+                             self.restart_cost(),
                              self.min_gain)
         if d is not None:
             e.restart_considered = True

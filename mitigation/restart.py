@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .rebalance import greedy_makespan
-from .resplit import resplit
+from .resplit import gpipe_ms, predict_split, resplit
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Decision:
 def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: dict | None,
                      job_ms: float | None, healthy_ms: float, loss_ms: float,
                      cost: tuple[float, str], min_gain: float) -> Decision | None:
-    """`ranks`: rank -> samples with `.compute_ms`; `speeds`: dp rank ->
+    """`ranks`: rank -> samples with `.dur_ms` and `.compute_ms`; `speeds`: dp rank ->
     compute per micro-batch; `cost`: (seconds, "observed" or "estimated")."""
     if not any(d.get("checkpoint") for d in announced.values()) or job_ms is None:
         return None
@@ -49,11 +49,18 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
                 return None
             stage_ms.append(max(ms))
         rs = resplit(stage_ms, layer_split)
-        best_now = max(stage_ms)
-        saved = best_now - rs.makespan
+        mbs = next((d.get("pp_microbatches") for d in announced.values()
+                    if d.get("pp_microbatches")), None)
+        # The iteration over the same samples as the stages' compute.
+        job_ms = statistics.median(statistics.median(r.dur_ms) for r in ranks.values()
+                                   if r.dur_ms)
+        best_now = gpipe_ms(stage_ms, mbs)
+        saved = job_ms - predict_split(stage_ms, layer_split, rs.split, job_ms, mbs)
         strategy, plan = "reconfigure_pipeline", {"layer_split": list(rs.split),
                                                  "restart": {"checkpoint": True}}
         what = f"re-split layers {list(layer_split)} -> {list(rs.split)}"
+        figures = {"stage_ms": [round(x, 3) for x in stage_ms], "microbatches": mbs,
+                   "current_ms": job_ms}
     else:
         if speeds is None or split is None or len(speeds) < 2:
             return None
@@ -78,6 +85,7 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
         if where:
             restart["where"] = sorted(where, key=lambda w: w.get("rank", 0))
         strategy, plan = "checkpoint_restart", {"restart": restart}
+        figures = {}
         what = f"restart without dp rank(s) {excluded}"
     if saved <= min_gain * best_now:
         return None
@@ -88,4 +96,5 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
     return Decision(strategy, f"{what}: {avoidable_ms / 1e3:.1f} s lost reached the "
                               f"{how} restart cost of {cost_s:.1f} s",
                     max(0.0, job_ms - saved), plan,
-                    {"cost_ms": cost_s * 1e3, "cost": how, "saved_ms": saved})
+                    {"cost_ms": cost_s * 1e3, "cost": how, "saved_ms": saved,
+                     **figures})

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from mitigation.resplit import ResplitError, resplit
+from mitigation.resplit import ResplitError, gpipe_ms, predict_split, resplit, split_times
 from mitigation.rebalance import solve
 
 
@@ -53,3 +53,44 @@ def test_resplit_bad_input():
         resplit([1.0], [2, 2])
     with pytest.raises(ResplitError):
         resplit([1.0, 1.0], [0, 2])
+
+
+def simulate_gpipe(stage_ms, m: int, fwd: float = 1 / 3) -> float:
+    """The span of pipeline_train.py's schedule, event by event: each stage
+    runs every micro-batch forward (after the stage before it sent it), then
+    every one backward (after the stage after it sent its gradient)."""
+    S = len(stage_ms)
+    f = [t / m * fwd for t in stage_ms]
+    b = [t / m * (1 - fwd) for t in stage_ms]
+    done_f = [[0.0] * m for _ in range(S)]
+    for k in range(S):
+        for i in range(m):
+            ready = max(done_f[k][i - 1] if i else 0.0, done_f[k - 1][i] if k else 0.0)
+            done_f[k][i] = ready + f[k]
+    done_b = [[0.0] * m for _ in range(S)]
+    for k in reversed(range(S)):
+        for i in range(m):
+            ready = max(done_b[k][i - 1] if i else done_f[k][m - 1],
+                        done_b[k + 1][i] if k < S - 1 else 0.0)
+            done_b[k][i] = ready + b[k]
+    return max(done_b[k][m - 1] for k in range(S))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_gpipe_span_matches_the_schedule_simulated(seed):
+    rng = np.random.default_rng(seed)
+    S, m = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    t = rng.uniform(1.0, 20.0, S).tolist()
+    assert gpipe_ms(t, m) == pytest.approx(simulate_gpipe(t, m, rng.uniform(0.2, 0.6)))
+    assert gpipe_ms(t, None) == max(t)
+
+
+def test_a_split_is_predicted_from_the_stages_speeds():
+    # Stage 1 runs at a quarter of stage 0's speed; 4 micro-batches.
+    assert split_times([10.0, 40.0], [4, 4], [7, 1]) == pytest.approx([17.5, 10.0])
+    now = gpipe_ms([10.0, 40.0], 4)                   # 10/4 + 4 * 40/4 = 42.5
+    new = gpipe_ms([17.5, 10.0], 4)                   # 17.5 + 10/4 = 20.0
+    assert (now, new) == (42.5, 20.0)
+    # The rest of the iteration (sends, all-reduce) scales with the span.
+    assert predict_split([10.0, 40.0], [4, 4], [7, 1], 85.0, 4) == pytest.approx(40.0)
+    assert predict_split([10.0, 40.0], [4, 4], [4, 4], 60.0, 4) == pytest.approx(60.0)
