@@ -25,12 +25,18 @@ time), rank s is a computation straggler when
 - and all of this on `looks` consecutive looks, `every` iterations apart,
   spanning at least MIN_S seconds.
 
+The window is `window` iterations, or fewer when the job is slow: enough to
+span WINDOW_S seconds, never under MIN_WINDOW (looks come closer in
+proportion). A job at a few iterations per second, which is how a user
+finds a strong straggler, is then named in seconds, not in 24 iterations.
+
 A verdict is a passive `diagnosis` (`details.method: "cross-section"`). It
 is said once per straggler; a rank that stopped standing out for `looks`
 looks can be named again.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -50,6 +56,11 @@ REL_EXCESS = 0.60
 WAIT_SHARE = 0.5
 CONSISTENT = 0.90
 MIN_S = 3.0
+# A slow job's window: what 16 iterations span at ~190 ms (the corpus's
+# slow-at-attach jobs run at 100-300 ms), and at least 8 iterations, which
+# the tune split's healthy stretches keep under the bars above.
+WINDOW_S = 3.0
+MIN_WINDOW = 8
 
 
 class CrossSection:
@@ -80,17 +91,27 @@ class CrossSection:
             return []
         self._since_look += 1
         lead = self.rows[rank]
-        if self._since_look < self.every or len(self.rows) < 2 or len(lead) < self.window:
+        n = self._window(lead)
+        if (self._since_look < max(1, self.every * n // self.window) or len(self.rows) < 2
+                or len(lead) < n):
             return []
         self._since_look = 0
-        return self._look(ev)
+        return self._look(ev, n)
 
-    def _look(self, ev: dict) -> list[Diagnosis]:
+    def _window(self, lead: deque) -> int:
+        """Iterations per look: `window`, or fewer spanning WINDOW_S."""
+        recent = [x[2] for x in list(lead)[-MIN_WINDOW:]]
+        if len(recent) < MIN_WINDOW:
+            return self.window
+        n = math.ceil(WINDOW_S * 1e3 / max(statistics.median(recent), 1e-3))
+        return max(min(self.window, MIN_WINDOW), min(self.window, n))
+
+    def _look(self, ev: dict, n: int) -> list[Diagnosis]:
         lead = self.rows[min(self.rows)]
-        lo, hi = lead[-self.window][0], lead[-1][1]
-        win = {r: [x for x in q if x[0] >= lo and x[1] <= hi + (hi - lo) // self.window]
+        lo, hi = lead[-n][0], lead[-1][1]
+        win = {r: [x for x in q if x[0] >= lo and x[1] <= hi + (hi - lo) // n]
                for r, q in self.rows.items()}
-        if any(len(w) < self.window // 2 for w in win.values()):
+        if any(len(w) < n // 2 for w in win.values()):
             return []           # a rank missing from the window (exited, not locked)
         comp = {r: statistics.median(x[3] for x in w) for r, w in win.items()}
         comm = {r: statistics.median(x[4] for x in w) for r, w in win.items()}
@@ -123,7 +144,7 @@ class CrossSection:
                 or self.named == s):
             return []
         self.named = s
-        details = {"method": "cross-section", "window": self.window, "looks": self.looks,
+        details = {"method": "cross-section", "window": n, "looks": self.looks,
                    "since_ns": self._streak[0][1], **self.last}
         return [Diagnosis("passive", "computation",
                           f"rank {s} computes {excess:.1f} ms per iteration longer than the "
