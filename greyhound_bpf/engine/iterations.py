@@ -65,6 +65,13 @@ class IterationEstimator:
        periods or iterations keep coming out irregular (a restarted job, a
        new pattern), reported as a PatternChange.
 
+    The first estimate comes after ``min_calls`` calls, then again every
+    ``min_calls`` (or a quarter of the window) until one locks. 16 calls
+    find periods up to 5 calls (3 repeats); a job already slow at attach,
+    at a few iterations per second, locked at 1.9 s instead of 4.0 s on the
+    corpus's tune recording (preslow-user4-r2-strong), and no replay of the
+    corpus changed otherwise. Longer periods lock on a later try.
+
     Until a period is locked, ``state`` is "warming_up" and nothing is
     guessed.
     """
@@ -72,7 +79,7 @@ class IterationEstimator:
     def __init__(self, *, rank: int | None = None, window: int = 4096, max_period: int = 500,
                  min_period: int = 2, min_repeats: int = 3, peak_fraction: float = 0.8,
                  min_peak: float = 0.05, min_anchor_score: float = 0.5, anchor_k: int = 4,
-                 tolerance: float = 0.1, relock_after: float = 4.0, min_calls: int = 32):
+                 tolerance: float = 0.1, relock_after: float = 4.0, min_calls: int = 16):
         if not 2 <= min_period <= max_period:
             raise ValueError("2 <= min_period <= max_period")
         if window < min_repeats * max_period:
