@@ -27,6 +27,7 @@ from .diagnosis.rules import Result, decide, edges_of
 from .diagnosis.verdict import Diagnosis
 from .engine.activity import ActivityLog
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
+from .engine.iterations import IterationRecord
 from .engine.pipeline import JobPipeline
 from .engine.topology import Topology
 from .events import make_event
@@ -99,12 +100,23 @@ class PlanWritten:
 
 
 @dataclass(frozen=True)
+class Iterations:
+    """One rank's iterations as another analysis found them in its calls
+    (a node's agent publishes these; the job's controller takes them in
+    place of calls). `key`: the target's pid (unique across nodes as the
+    controller numbers them); `items`: IterationRecord fields, one dict each."""
+    t_ns: int
+    key: int
+    items: tuple = ()
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passes (once a second): waits that end, the communicator map."""
     t_ns: int
 
 
-INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick)
+INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick, Iterations)
 
 
 @dataclass
@@ -177,7 +189,7 @@ class JobAnalysis:
         self.now_ns = max(self.now_ns, int(inp.t_ns))
         handler = {Calls: self._calls, Targets: self._targets, Activity: self._activity,
                    Validated: self._validated, Acks: self._acks, PlanWritten: self._written,
-                   Tick: self._tick}.get(type(inp))
+                   Tick: self._tick, Iterations: self._iterations}.get(type(inp))
         if handler is None:
             raise TypeError(f"not an analysis input: {inp!r}")
         return handler(inp)
@@ -235,6 +247,17 @@ class JobAnalysis:
         self.topology.feed(recs, rank_of)
         out = []
         for kind, fields, t_ns in self.pipeline.feed_records(recs, rank_of):
+            out += self._after_engine(self._event(kind, t_ns, **fields))
+        return out
+
+    def _iterations(self, inp: Iterations) -> list[dict]:
+        r = self.ranks.get(inp.key)
+        self.pipeline.add_rank(inp.key, r.rank if r else None)
+        items = [IterationRecord(r.rank if r else None, int(d["index"]), int(d["start_ns"]),
+                                 int(d["dur_ns"]), int(d["period_calls"]), int(d["comm_ns"]),
+                                 int(d["compute_ns"])) for d in inp.items]
+        out = []
+        for kind, fields, t_ns in self.pipeline.feed_iterations(inp.key, items):
             out += self._after_engine(self._event(kind, t_ns, **fields))
         return out
 

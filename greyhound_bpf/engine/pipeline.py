@@ -138,25 +138,37 @@ class JobPipeline:
         for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn]):
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
-                continue
-            # Reported, but not the job's speed: kept from the detectors.
-            span = self.activity.disturbing(item.start_ns, item.start_ns + item.dur_ns)
-            f = item.fields()
-            if span is not None:
-                f["disturbed"] = span.what
-                legacy = LEGACY_FLAG.get(span.what)
-                if legacy:
-                    f[legacy] = True
-            out.append(("iteration", f, item.start_ns + item.dur_ns))
-            if span is not None:
-                continue
-            rs.last = item
-            rs.fed.append((item.index, item.start_ns))
-            cp = rs.detector.update(item.dur_ns / 1e6)
-            if cp:
-                out.append(self._change(cp, rs.rank, item, rs.fed))
-            out += self._job_step(rs, item)
+            else:
+                out += self._iteration(rs, item)
         return out
+
+    def feed_iterations(self, key: int, items: list[IterationRecord]
+                        ) -> list[tuple[str, dict, int]]:
+        """One rank's iterations, found elsewhere (a node's agent found them
+        in its calls): the same chain after the estimator."""
+        rs = self.ranks[key]
+        out = []
+        for item in sorted(items, key=lambda it: it.start_ns):
+            out += self._iteration(rs, item)
+        return out
+
+    def _iteration(self, rs: RankState, item: IterationRecord) -> list[tuple[str, dict, int]]:
+        f = item.fields()
+        span = self.activity.disturbing(item.start_ns, item.start_ns + item.dur_ns)
+        if span is not None:
+            # Reported, but not the job's speed: kept from the detectors.
+            f["disturbed"] = span.what
+            legacy = LEGACY_FLAG.get(span.what)
+            if legacy:
+                f[legacy] = True
+            return [("iteration", f, item.start_ns + item.dur_ns)]
+        out = [("iteration", f, item.start_ns + item.dur_ns)]
+        rs.last = item
+        rs.fed.append((item.index, item.start_ns))
+        cp = rs.detector.update(item.dur_ns / 1e6)
+        if cp:
+            out.append(self._change(cp, rs.rank, item, rs.fed))
+        return out + self._job_step(rs, item)
 
     # -- job level ------------------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""The analysis fed iterations instead of calls (issue #14's base: a node's
+agent finds each rank's iterations in its calls and publishes them; the
+job's controller runs JobAnalysis over every node's iterations). Over the
+corpus's real recordings, an analysis fed the iterations a first one found
+says exactly what the first one says: the same slowdowns, verdicts,
+validation requests and plans at the same moments. Calls also give the
+communicator map, which iterations do not carry: a link verdict then names
+no communicator, and that is the only difference."""
+import pytest
+
+import corpus
+from greyhound_bpf.analysis import Calls, Iterations, JobAnalysis
+from greyhound_bpf.probe.catalog import load_catalog
+from greyhound_bpf.recording import Recording, encode
+
+FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns")
+
+
+def both(name: str) -> tuple[list[dict], list[dict]]:
+    """(events of the analysis fed the recording's calls, events of one fed
+    the iterations the first found, batch by batch, everything else alike)."""
+    cat = load_catalog()
+    rec = Recording(str(corpus.SCENARIOS / f"{name}.rec.gz"), cat)
+    calls, its = JobAnalysis(cat, rec.job, rec.config), JobAnalysis(cat, rec.job, rec.config)
+    ea, eb = [], []
+    for inp in rec.inputs():
+        out = calls.feed(inp)
+        ea += out
+        if not isinstance(inp, Calls):
+            eb += its.feed(inp)
+            continue
+        pid_of = {r: p for p, r in calls.rank_of().items()}
+        by_pid: dict[int, list[dict]] = {}
+        for e in out:
+            if e["kind"] == "iteration":
+                by_pid.setdefault(pid_of[e["rank"]], []).append({k: e[k] for k in FIELDS})
+        for pid, items in sorted(by_pid.items()):
+            eb += its.feed(Iterations(inp.t_ns, pid, tuple(items)))
+    return ea, eb
+
+
+def downstream(events: list[dict]) -> list[dict]:
+    """What follows the iteration estimator (its `pattern` events and the
+    calls' communicator map are the agent's), in a stable order."""
+    keep = [e for e in events if e["kind"] not in ("pattern", "topology")]
+    return sorted(keep, key=lambda e: (e["time_ns"], e["kind"], str(e.get("rank"))))
+
+
+@pytest.mark.parametrize("name", ["compute-demo4-r2", "preslow-user4-r2-strong",
+                                  "heldout-early-demo4-r1"])
+def test_iterations_give_what_calls_give(name):
+    ea, eb = both(name)
+    a, b = downstream(ea), downstream(eb)
+    assert any(e["kind"] == "diagnosis" and e["cause"] == "computation" for e in a)
+    assert a == b
+
+
+def test_a_link_verdict_lacks_only_the_communicator():
+    ea, eb = both("link-demo4-r1")
+    a, b = downstream(ea), downstream(eb)
+    assert len(a) == len(b)
+    differ = [(x, y) for x, y in zip(a, b) if x != y]
+    assert differ, "the communicator map came from somewhere"
+    for x, y in differ:
+        assert x["kind"] == y["kind"] == "diagnosis" and x["communicator"] and \
+            y["communicator"] is None
+        assert {k: v for k, v in x.items() if k not in ("communicator", "reason")} == \
+            {k: v for k, v in y.items() if k not in ("communicator", "reason")}
+
+
+def test_iterations_are_recorded_and_read_back(tmp_path):
+    import gzip
+    import json
+    inp = Iterations(5, 1234, ({"index": 0, "start_ns": 10, "dur_ns": 20, "period_calls": 2,
+                                "comm_ns": 5, "compute_ns": 15},))
+    src = Recording(str(corpus.SCENARIOS / "healthy-demo4.rec.gz"), load_catalog())
+    path = tmp_path / "r.rec.gz"
+    with gzip.open(src.path, "rt") as fh:
+        header = fh.readline()
+    with gzip.open(path, "wt") as fh:
+        fh.write(header + json.dumps(encode(inp)) + "\n")
+    (back,) = list(Recording(str(path), load_catalog()).inputs())
+    assert back == inp
