@@ -245,10 +245,7 @@ class JobAnalysis:
             return []
         rank_of = self.rank_of()
         self.topology.feed(recs, rank_of)
-        out = []
-        for kind, fields, t_ns in self.pipeline.feed_records(recs, rank_of):
-            out += self._after_engine(self._event(kind, t_ns, **fields))
-        return out
+        return self._engine(self.pipeline.feed_records(recs, rank_of))
 
     def _iterations(self, inp: Iterations) -> list[dict]:
         r = self.ranks.get(inp.key)
@@ -256,10 +253,7 @@ class JobAnalysis:
         items = [IterationRecord(r.rank if r else None, int(d["index"]), int(d["start_ns"]),
                                  int(d["dur_ns"]), int(d["period_calls"]), int(d["comm_ns"]),
                                  int(d["compute_ns"])) for d in inp.items]
-        out = []
-        for kind, fields, t_ns in self.pipeline.feed_iterations(inp.key, items):
-            out += self._after_engine(self._event(kind, t_ns, **fields))
-        return out
+        return self._engine(self.pipeline.feed_iterations(inp.key, items))
 
     def _activity(self, inp: Activity) -> list[dict]:
         self.activity.update(inp.id, inp.what, inp.start_ns, inp.end_ns)
@@ -339,9 +333,14 @@ class JobAnalysis:
 
     # -- the chain after the engine ---------------------------------------------------
 
-    def _after_engine(self, ev: dict) -> list[dict]:
-        """An engine event, and what it causes downstream."""
-        return [ev] + self._observe(ev)
+    def _engine(self, found: list[tuple[str, dict, int]]) -> list[dict]:
+        """The engine's (kind, fields, time) items as events, each followed
+        by what it causes downstream."""
+        out = []
+        for kind, fields, t_ns in found:
+            ev = self._event(kind, t_ns, **fields)
+            out += [ev] + self._observe(ev)
+        return out
 
     def _observe(self, ev: dict) -> list[dict]:
         """Diagnosis and policy for one event of the stream."""

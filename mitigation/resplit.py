@@ -55,18 +55,24 @@ def gpipe_ms(stage_ms, microbatches: int | None) -> float:
     return float(p.sum() + (microbatches - 1) * p.max())
 
 
+def _work(prefix: np.ndarray, split) -> np.ndarray:
+    """Each stage's work (summed layer costs) under `split`, from the
+    layers' prefix sums."""
+    b = np.concatenate([[0], np.cumsum(np.asarray(split, dtype=np.int64))])
+    return prefix[b[1:]] - prefix[b[:-1]]
+
+
+def _prefix(n_layers: int, layer_costs=None) -> np.ndarray:
+    costs = np.ones(n_layers) if layer_costs is None else np.asarray(layer_costs, np.float64)
+    return np.concatenate([[0.0], np.cumsum(costs)])
+
+
 def split_times(stage_ms, current_split, new_split, layer_costs=None) -> list[float]:
     """Each stage's compute per step under `new_split`, at the speed it
     showed under `current_split`."""
-    cur = np.asarray(current_split, dtype=np.int64)
-    costs = np.ones(int(cur.sum())) if layer_costs is None else np.asarray(layer_costs, float)
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
-
-    def work(split):
-        b = np.concatenate([[0], np.cumsum(split)])
-        return prefix[b[1:]] - prefix[b[:-1]]
-    speed = work(cur) / np.asarray(stage_ms, dtype=np.float64)
-    return [float(x) for x in work(np.asarray(new_split, dtype=np.int64)) / speed]
+    prefix = _prefix(int(np.sum(current_split)), layer_costs)
+    speed = _work(prefix, current_split) / np.asarray(stage_ms, dtype=np.float64)
+    return [float(x) for x in _work(prefix, new_split) / speed]
 
 
 def predict_split(stage_ms, current_split, new_split, job_ms: float,
@@ -92,9 +98,8 @@ def resplit(stage_times, current_split, layer_costs=None) -> Resplit:
     costs = np.ones(L) if layer_costs is None else np.asarray(layer_costs, dtype=np.float64)
     if len(costs) != L or np.any(costs <= 0):
         raise ResplitError(f"layer_costs needs {L} positive entries")
-    prefix = np.concatenate([[0.0], np.cumsum(costs)])
-    bounds = np.concatenate([[0], np.cumsum(cur)])
-    speed = (prefix[bounds[1:]] - prefix[bounds[:-1]]) / t       # work per second
+    prefix = _prefix(L, costs)
+    speed = _work(prefix, cur) / t                                # work per second
     current = float(t.max())
     # best[k, j]: smallest makespan for stages 0..k holding layers 0..j-1.
     inf = np.inf

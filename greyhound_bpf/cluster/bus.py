@@ -83,12 +83,10 @@ class ControllerBus:
                                  count=count, block=block_ms) or []
         out = []
         for stream, entries in resp:
-            stream = stream.decode() if isinstance(stream, bytes) else stream
-            for mid, f in entries:
-                f = {(k.decode() if isinstance(k, bytes) else k):
-                     (v.decode() if isinstance(v, bytes) else v) for k, v in f.items()}
-                out.append(Message(self.streams[stream], stream,
-                                   mid.decode() if isinstance(mid, bytes) else mid, f["kind"],
+            stream = _text(stream)
+            for mid, raw in entries:
+                f = {_text(k): _text(v) for k, v in raw.items()}
+                out.append(Message(self.streams[stream], stream, _text(mid), f["kind"],
                                    int(f["t"]), int(f["seq"]), f["inc"], json.loads(f["data"])))
         return out
 
@@ -98,6 +96,11 @@ class ControllerBus:
             by.setdefault(m.stream, []).append(m.id)
         for s, ids in by.items():
             self.r.xack(s, GROUP, *ids)
+
+
+def _text(v) -> str:
+    """A reply's bytes as text (whatever the client's decode_responses)."""
+    return v.decode() if isinstance(v, bytes) else v
 
 
 class JobInputs:
