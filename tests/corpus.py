@@ -65,6 +65,19 @@ def replay(name: str, **config) -> list[dict]:
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
 
 
+ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns")
+
+
+def iterations_by_rank(events: list[dict]) -> dict[int, list[dict]]:
+    """The `iteration` events among `events`, per rank, as an agent
+    publishes them (analysis.Iterations items)."""
+    out: dict[int, list[dict]] = {}
+    for e in events:
+        if e["kind"] == "iteration":
+            out.setdefault(e["rank"], []).append({k: e[k] for k in ITERATION_FIELDS})
+    return out
+
+
 def _window(f: dict, t: dict) -> tuple[int, int]:
     # From the start of the iteration the fault began in (up to a second
     # before it was applied) to GRACE_S after it ended.

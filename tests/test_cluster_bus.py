@@ -25,7 +25,6 @@ from harness import free_port, wait_for
 
 JOB = "job1"
 PASS = {"agent-a": "pw-a-1", "agent-b": "pw-b-2", "controller": "pw-c-3"}
-FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns")
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +85,7 @@ def test_a_job_split_over_two_agents_gets_the_local_verdicts(server):
                     agents[n].hello(inp.t_ns, mine, inp.begin_ns)
         elif isinstance(inp, Calls):
             pid_of = {r: p for p, r in local.rank_of().items()}
-            by_pid = {}
-            for e in out:
-                if e["kind"] == "iteration":
-                    by_pid.setdefault(e["rank"], []).append({k: e[k] for k in FIELDS})
-            for r, items in sorted(by_pid.items()):
+            for r, items in sorted(corpus.iterations_by_rank(out).items()):
                 agents[node_of[r]].iterations(inp.t_ns, pid_of[r], items)
         else:
             other.append((inp.t_ns, i, inp))
@@ -130,7 +125,7 @@ def test_a_restarted_controller_gets_the_pending_again_and_drops_duplicates(serv
     while older := first.read(block_ms=50):         # this module's earlier messages
         first.ack(older)
     a.hello(1, [{"pid": 11, "rank": 0, "world_size": 1}])
-    a.iterations(2, 11, [{k: 1 for k in FIELDS}])
+    a.iterations(2, 11, [{k: 1 for k in corpus.ITERATION_FIELDS}])
     taken = first.read(block_ms=200)
     assert [m.kind for m in taken] == ["hello", "iterations"]
     inputs = JobInputs()

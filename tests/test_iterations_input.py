@@ -13,9 +13,6 @@ from greyhound_bpf.analysis import Calls, Iterations, JobAnalysis
 from greyhound_bpf.probe.catalog import load_catalog
 from greyhound_bpf.recording import Recording, encode
 
-FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns")
-
-
 def both(name: str) -> tuple[list[dict], list[dict]]:
     """(events of the analysis fed the recording's calls, events of one fed
     the iterations the first found, batch by batch, everything else alike)."""
@@ -30,12 +27,8 @@ def both(name: str) -> tuple[list[dict], list[dict]]:
             eb += its.feed(inp)
             continue
         pid_of = {r: p for p, r in calls.rank_of().items()}
-        by_pid: dict[int, list[dict]] = {}
-        for e in out:
-            if e["kind"] == "iteration":
-                by_pid.setdefault(pid_of[e["rank"]], []).append({k: e[k] for k in FIELDS})
-        for pid, items in sorted(by_pid.items()):
-            eb += its.feed(Iterations(inp.t_ns, pid, tuple(items)))
+        for r, items in sorted(corpus.iterations_by_rank(out).items()):
+            eb += its.feed(Iterations(inp.t_ns, pid_of[r], tuple(items)))
     return ea, eb
 
 

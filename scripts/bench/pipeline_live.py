@@ -222,9 +222,11 @@ def main(argv=None) -> int:
           f"{med(lambda r: r['after_ms']):.1f} ms; ideal {med(lambda r: r['sweep'][r['ideal']]):.1f}"
           f" ms; same split as the ideal in {sum(tuple(r['split']) == r['ideal'] for r in rounds)}"
           f" of {len(rounds)}")
+    errors = [abs(r["model"][s] / ms - 1) for r in rounds if r["model"]
+              for s, ms in r["sweep"].items()]
     print(f"  measured vs predicted {med(lambda r: r['vs_pred']):+.1%} (goal within 10%); "
           f"model error over all splits, median |e| "
-          f"{statistics.median(abs(r['model'][s] / ms - 1) for r in rounds for s, ms in r['sweep'].items() if r['model']) if any(r['model'] for r in rounds) else float('nan'):.1%}")
+          f"{statistics.median(errors) if errors else float('nan'):.1%}")
     print(f"  relaunch (restart cost) {med(lambda r: r['restart_s']):.1f} s, paid back after "
           f"{med(lambda r: r['pays_s']):.0f} s of fault")
     return 0
