@@ -231,6 +231,7 @@ class JobAnalysis:
         for pid in inp.exited:
             if pid in self.ranks:
                 self.ranks[pid].exited = True
+                self.pipeline.retire(pid)
         if inp.added and inp.begin_ns is not None:
             # Attaching perturbs the job (and the ranks already traced) for
             # a moment: iterations until it has passed are ours. (A target
@@ -252,7 +253,8 @@ class JobAnalysis:
         self.pipeline.add_rank(inp.key, r.rank if r else None)
         items = [IterationRecord(r.rank if r else None, int(d["index"]), int(d["start_ns"]),
                                  int(d["dur_ns"]), int(d["period_calls"]), int(d["comm_ns"]),
-                                 int(d["compute_ns"])) for d in inp.items]
+                                 int(d["compute_ns"])) for d in inp.items
+                 if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))
 
     def _activity(self, inp: Activity) -> list[dict]:

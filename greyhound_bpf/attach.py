@@ -83,6 +83,7 @@ class AttachOptions:
     pause_max_s: float = PAUSE_MAX_S
     pause_budget: float = PAUSE_BUDGET
     timestamps: bool = False        # -T: wall-clock time on every text line
+    cluster: object | None = None   # cluster.cli.AgentSetup: publish to the job's controller
 
 
 class AttachSession:
@@ -144,6 +145,7 @@ class AttachSession:
         self._followups: list = []                 # inputs caused by handling events
         self._feeding = False
         self.metrics = None
+        self.agent = None                          # cluster.agent.Agent with --cluster
         self.exited_pids: set[int] = set()
         self.validator = None                      # diagnosis.validator.Service, at first use
         self.background: Background | None = None   # diagnosis.cpu.Background, in run()
@@ -248,6 +250,7 @@ class AttachSession:
         background = self.background = Background.start()
         try:
             self.preflight()
+            self.agent = self.opts.cluster and self.opts.cluster.start(self)
         except BaseException:
             background.close()
             raise
@@ -289,14 +292,9 @@ class AttachSession:
                 self._finish(t0)
             else:
                 self._stop_validation()
-            if self.tracer:
-                self.tracer.close()
-            if self.writer:
-                self.writer.close()
-            if self.recorder:
-                self.recorder.close()
-            if self.metrics:
-                self.metrics.close()
+            for part in (self.tracer, self.agent, self.writer, self.recorder, self.metrics):
+                if part:
+                    part.close()
             background.close()      # the workers are gone: the idle group goes
         return 0
 

@@ -7,6 +7,8 @@ import signal
 import sys
 
 from . import GreyhoundError, __version__
+from . import argtypes as T
+from .cluster import cli as cluster_cli
 # Standard library only: `attach` enters the background before the heavy
 # imports (numpy, Numba, BCC), which cost a saturated job CPU otherwise.
 from .diagnosis.cpu import Background, IdleGroup
@@ -77,64 +79,6 @@ examples:
 """
 
 
-def _listen(text: str) -> tuple[str, int]:
-    """`[ADDR:]PORT` -> (addr, port); an IPv6 address goes in brackets."""
-    addr, sep, port = text.rpartition(":")
-    addr = addr.strip("[]") if sep else ""
-    try:
-        p = int(port)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not [ADDR:]PORT: {text!r}") from None
-    if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port out of range: {text!r}")
-    return addr or "127.0.0.1", p
-
-
-def _pid(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"not a PID: {text!r}")
-    return v
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _nonnegative(text: str) -> float:
-    v = _number(text)
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-    return v
-
-
-def _positive(text: str) -> float:
-    v = _number(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return v
-
-
-def _probability(text: str) -> float:
-    v = _positive(text)
-    if v > 1:
-        raise argparse.ArgumentTypeError(f"must be at most 1: {text!r}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = _number(text)
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1: {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .diagnosis.host import PAUSE_MAX_S
     from .diagnosis.planner import PAUSE_BUDGET
@@ -149,11 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Attach uprobes to the NCCL, CUDA runtime and gloo calls\n"
                                    "of a running job and its ranks, without restarting it.",
                        epilog=EPILOG_ATTACH, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("pids", metavar="PID", type=_pid, nargs="*",
+    a.add_argument("pids", metavar="PID", type=T.pid, nargs="*",
                    help="a rank, or a launcher (torchrun, mpirun, a script): its ranks are found")
-    a.add_argument("-p", "--pid", dest="more_pids", type=_pid, action="append", default=[],
+    a.add_argument("-p", "--pid", dest="more_pids", type=T.pid, action="append", default=[],
                    metavar="PID", help="a PID too (repeatable; bcc tools' spelling)")
-    a.add_argument("-i", "--interval", type=_positive, default=1.0, metavar="S",
+    a.add_argument("-i", "--interval", type=T.positive, default=1.0, metavar="S",
                    help="seconds between text summaries (default 1)")
     a.add_argument("-n", "--count", type=int, metavar="N", help="stop after N summaries")
     _output_args(a, "events as JSON lines on stdout (the text summary then goes to stderr)",
@@ -163,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--record", metavar="FILE",
                    help="record every input of the analysis to FILE (.gz: compressed), for "
                         "`greyhound-trace replay FILE`")
-    a.add_argument("-d", "--duration", type=_positive, metavar="S", help="stop after S seconds")
+    a.add_argument("-d", "--duration", type=T.positive, metavar="S", help="stop after S seconds")
     a.add_argument("--wait", action="store_true",
                    help="wait for the targets to load a probed library instead of failing")
     a.add_argument("--job", help="job name in events (default: the first PID's name-pid)")
@@ -179,13 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "when stdout is a terminal and -j is not given)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
-    a.add_argument("--threshold", type=_positive, default=SLOWDOWN_THRESHOLD, metavar="F",
+    a.add_argument("--threshold", type=T.positive, default=SLOWDOWN_THRESHOLD, metavar="F",
                    help="report a slowdown when iterations get this much slower "
                         f"(default {SLOWDOWN_THRESHOLD:g})")
-    a.add_argument("--min-probability", type=_probability, default=MIN_PROBABILITY, metavar="P",
+    a.add_argument("--min-probability", type=T.probability, default=MIN_PROBABILITY, metavar="P",
                    help=f"change probability a slowdown needs (default {MIN_PROBABILITY:g})")
 
-    a.add_argument("--metrics", type=_listen, metavar="[ADDR:]PORT",
+    a.add_argument("--metrics", type=T.listen, metavar="[ADDR:]PORT",
                    help="serve Prometheus metrics on ADDR:PORT (default address loopback; "
                         "PORT 0: any free port), as the exporters spell it; an address "
                         "other than loopback needs TLS (--metrics-cert/--metrics-key) or "
@@ -206,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-validate", action="store_true",
                    help="after a job slowdown, do not benchmark the devices and links "
                         "(see `validate`; the job is paused at most --pause-max seconds)")
-    a.add_argument("--pause-max", type=_positive, default=PAUSE_MAX_S, metavar="S",
+    a.add_argument("--pause-max", type=T.positive, default=PAUSE_MAX_S, metavar="S",
                    help=f"longest validation may pause the job (default {PAUSE_MAX_S:g})")
-    a.add_argument("--pause-budget", type=_fraction, default=PAUSE_BUDGET, metavar="F",
+    a.add_argument("--pause-budget", type=T.fraction, default=PAUSE_BUDGET, metavar="F",
                    help="most of any 10 minutes validation may keep the job paused "
                         f"(default {PAUSE_BUDGET:g}: 1%%)")
 
@@ -222,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--microbatches", type=int, metavar="M",
                    help="global micro-batches per iteration, when the trainer does not "
                         "announce it")
-    m.add_argument("--restart-cost", type=_positive, default=60.0, metavar="S",
+    m.add_argument("--restart-cost", type=T.positive, default=60.0, metavar="S",
                    help="checkpoint-restart cost assumed until one is observed (default 60)")
+    cluster_cli.add_agent_args(a)
 
     r = sub.add_parser("replay", help="run the analysis over a recorded run",
                        description="Feed a recording made with `attach --record FILE` to the\n"
@@ -236,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _output_args(r, "JSON lines on stdout (the default)", "write the events to FILE")
     r.add_argument("--no-iterations", action="store_true",
                    help="leave out `iteration` events (keep pattern/slowdown/recovery)")
-    r.add_argument("--threshold", type=_positive, metavar="F",
+    r.add_argument("--threshold", type=T.positive, metavar="F",
                    help="override the recorded slowdown threshold")
-    r.add_argument("--min-probability", type=_probability, metavar="P",
+    r.add_argument("--min-probability", type=T.probability, metavar="P",
                    help="override the recorded change probability")
 
     rp = sub.add_parser("report", help="a post-mortem HTML page with plots",
@@ -264,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     isub = inj.add_subparsers(dest="fault", metavar="FAULT")
     ic = isub.add_parser("compute", help="lower a process's CPU quota (cgroup v1 or v2, "
                                          "found at run time)")
-    ic.add_argument("--pid", type=_pid, required=True, help="the process (a rank)")
-    ic.add_argument("--quota", type=_positive, required=True, metavar="CPUS",
+    ic.add_argument("--pid", type=T.pid, required=True, help="the process (a rank)")
+    ic.add_argument("--quota", type=T.positive, required=True, metavar="CPUS",
                     help="CPUs it may use, e.g. 0.5")
     il = isub.add_parser("link", help="rate-limit a network interface (tc tbf)")
     il.add_argument("--dev", required=True, metavar="IFACE", help="the interface, e.g. eth1")
@@ -274,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--gpu", type=int, required=True, metavar="N", help="GPU index")
     ig.add_argument("--mhz", type=int, required=True, metavar="F", help="clock in MHz")
     for q in (ic, il, ig):
-        q.add_argument("--for", dest="seconds", type=_nonnegative, default=INJECT_DEFAULT_S,
+        q.add_argument("--for", dest="seconds", type=T.nonnegative, default=INJECT_DEFAULT_S,
                        metavar="S", help=f"undo after S seconds (default {INJECT_DEFAULT_S:g}, "
                        "so a forgotten one ends; 0: only on Ctrl-C or SIGTERM)")
 
@@ -284,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "median. Before a job (--world N) or on a running one (PID).",
                        epilog=EPILOG_VALIDATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    v.add_argument("pids", metavar="PID", type=_pid, nargs="*",
+    v.add_argument("pids", metavar="PID", type=T.pid, nargs="*",
                    help="a rank or launcher of a running job (needs root)")
     v.add_argument("--world", type=int, metavar="N",
                    help="pre-check N devices on this machine before a job starts")
@@ -292,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "also write the `diagnosis` event to FILE")
     v.add_argument("--no-pause", action="store_true",
                    help="measure while the job runs (noisier; nothing is paused)")
-    v.add_argument("--pause-max", type=_positive, default=PAUSE_MAX_S, metavar="S",
+    v.add_argument("--pause-max", type=T.positive, default=PAUSE_MAX_S, metavar="S",
                    help=f"longest the job may be paused (default {PAUSE_MAX_S:g})")
-    v.add_argument("--timeout", type=_positive, default=60.0, metavar="S",
+    v.add_argument("--timeout", type=T.positive, default=60.0, metavar="S",
                    help="longest wait for the workers to start (default 60)")
     v.add_argument("--python", default=sys.executable, metavar="PATH",
                    help="interpreter for the workers, with PyTorch (default: this one; "
@@ -304,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check every requirement of `attach` and print the fix\n"
                                    "for each one that fails. Exit 0 when tracing can work.",
                        epilog=EPILOG_CHECK, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--pid", type=_pid, help="also report which probe libraries PID maps")
+    c.add_argument("--pid", type=T.pid, help="also report which probe libraries PID maps")
     c.add_argument("--no-load", action="store_true", help="skip compiling the BPF program")
+    cluster_cli.add_controller_parser(sub, _output_args, T.positive)
     return p
 
 
@@ -332,6 +278,11 @@ def cmd_attach(args) -> int:
     pids = list(dict.fromkeys(args.pids + args.more_pids))
     if not pids:
         raise GreyhoundError("give the PID of a rank or of its launcher (PID or -p PID)")
+    agent = cluster_cli.agent_setup(args, pids)
+    if agent is not None:
+        # The controller validates and plans for the whole job; the node's
+        # control file gets its plans through the agent.
+        args.job, args.no_validate, args.mitigate = agent.job, True, False
     out = _json_target(args)
     addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)
     if args.metrics_addr and args.metrics_port is None and not args.metrics:
@@ -350,7 +301,7 @@ def cmd_attach(args) -> int:
         restart_estimate_s=args.restart_cost, metrics_port=port, metrics_addr=addr,
         metrics_tls=tls,
         timestamps=args.timestamp, validate=not args.no_validate,
-        pause_max_s=args.pause_max, pause_budget=args.pause_budget,
+        pause_max_s=args.pause_max, pause_budget=args.pause_budget, cluster=agent,
         tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")
@@ -543,6 +494,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return {"attach": cmd_attach, "replay": cmd_replay, "report": cmd_report,
                 "check": cmd_check,
+                "controller": lambda a: cluster_cli.cmd_controller(a, _json_target),
                 "inject": cmd_inject, "validate": cmd_validate}[args.command](args)
     except GreyhoundError as e:
         print(f"greyhound-trace: error: {e}", file=sys.stderr)

@@ -14,6 +14,8 @@ KINDS = frozenset({
     "attach", "call", "exit", "pattern", "iteration", "slowdown", "recovery", "diagnosis",
     "action", "applied", "lost", "detach", "topology", "validation", "activity",
     "unprobed_site",
+    # the job's controller (greyhound_bpf.cluster): its agents and their nodes
+    "agent", "agent_lost", "agent_left", "census", "gap", "node_event",
 })
 
 

@@ -9,8 +9,6 @@ controller). Issue #14's transport and its security, tried for real:
   controller's JobAnalysis the verdicts the local analysis gave;
 - a controller that restarts before acknowledging gets the pending
   messages again, and duplicates are dropped."""
-import shutil
-import subprocess
 import time
 
 import pytest
@@ -21,35 +19,19 @@ from greyhound_bpf.analysis import Calls, JobAnalysis, Targets
 from greyhound_bpf.cluster.bus import AgentBus, ControllerBus, JobInputs
 from greyhound_bpf.probe.catalog import load_catalog
 from greyhound_bpf.recording import Recording
-from harness import free_port, wait_for
+from redisbed import RedisBed
 
 JOB = "job1"
-PASS = {"agent-a": "pw-a-1", "agent-b": "pw-b-2", "controller": "pw-c-3"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exe = shutil.which("redis-server")
-    assert exe, "redis-server is missing: run sudo scripts/setup"
-    d = tmp_path_factory.mktemp("redis")
-    port = free_port()
-    (d / "redis.conf").write_text(
-        f"bind 127.0.0.1\nport {port}\ndir {d}\nsave \"\"\nappendonly no\n"
-        "user default off\n"
-        f"user agent-a on >{PASS['agent-a']} ~gh:{JOB}:ev:a +xadd +ping +hello +auth\n"
-        f"user agent-b on >{PASS['agent-b']} ~gh:{JOB}:ev:b +xadd +ping +hello +auth\n"
-        f"user controller on >{PASS['controller']} ~gh:{JOB}:* +@stream +ping +hello +auth\n")
-    p = subprocess.Popen([exe, str(d / "redis.conf")], stdout=open(d / "out", "w"),
-                         stderr=subprocess.STDOUT)
-    wait_for(lambda: redis.Redis(port=port, username="controller",
-                                 password=PASS["controller"]).ping(), 15, "redis-server")
-    yield port
-    p.terminate()
-    p.wait(10)
+    with RedisBed(tmp_path_factory.mktemp("redis"), JOB, ["a", "b"]) as bed:
+        yield bed
 
 
-def client(port, user, password=None):
-    return redis.Redis(port=port, username=user, password=password or PASS[user])
+def client(bed, user, password=None):
+    return bed.client(user, password)
 
 
 def test_each_agent_writes_only_its_own_stream(server):
@@ -62,7 +44,7 @@ def test_each_agent_writes_only_its_own_stream(server):
     with pytest.raises(redis.exceptions.AuthenticationError):
         client(server, "agent-a", "wrong").ping()
     with pytest.raises(redis.exceptions.AuthenticationError, match="authenticated"):
-        redis.Redis(port=server).ping()                            # `default` is off
+        redis.Redis(host=server.bind, port=server.port).ping()                            # `default` is off
 
 
 def test_a_job_split_over_two_agents_gets_the_local_verdicts(server):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..analysis import Iterations, Targets
+from ..analysis import Acks, Iterations, Targets
 from .identity import check_name, events_stream
 
 MAXLEN = 100_000          # per node: minutes of iteration batches at a few per second
@@ -68,27 +68,72 @@ class ControllerBus:
     the group stopped, with what it had not acknowledged pending)."""
 
     def __init__(self, client, job: str, nodes: list[str], consumer: str = "controller-1"):
-        import redis
-        self.r, self.consumer = client, consumer
-        self.streams = {events_stream(job, n): n for n in nodes}
-        for s in self.streams:
-            try:
-                self.r.xgroup_create(s, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+        self.r, self.job, self.consumer = client, job, consumer
+        self.streams: dict[str, str] = {}
+        for n in nodes:
+            self.add(n)
 
-    def read(self, block_ms: int = 1000, count: int = 1000) -> list[Message]:
+    def add(self, node: str) -> bool:
+        """Read `node`'s stream from now on (True when it is new)."""
+        import redis
+        s = events_stream(self.job, node)
+        if s in self.streams:
+            return False
+        try:
+            self.r.xgroup_create(s, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self.streams[s] = node
+        return True
+
+    def discover(self) -> list[str]:
+        """Nodes whose agents have written a stream of this job, not read yet."""
+        prefix = events_stream(self.job, "x")[:-1]
+        found = [_text(k)[len(prefix):] for k in
+                 self.r.scan_iter(match=prefix + "*", count=1000, _type="stream")]
+        return [n for n in sorted(found) if self.add(n)]
+
+    def history(self) -> list["Message"]:
+        """What the group has delivered already, oldest first per stream (a
+        new leader rebuilds the analysis from it), with the messages that
+        were delivered but never acknowledged claimed for this consumer and
+        acknowledged: the rebuild has taken them."""
+        out = []
+        for s, node in self.streams.items():
+            groups = {_text(g["name"]): g for g in self.r.xinfo_groups(s)}
+            last = _text(groups[GROUP]["last-delivered-id"]) if GROUP in groups else "0-0"
+            if last == "0-0":
+                continue
+            start = "-"
+            while True:
+                batch = self.r.xrange(s, start, last, count=10_000)
+                out += [self._message(s, mid, raw) for mid, raw in batch]
+                if len(batch) < 10_000:
+                    break
+                start = "(" + _text(batch[-1][0])
+            nxt = "0-0"
+            while True:
+                nxt, claimed, *_ = self.r.xautoclaim(s, GROUP, self.consumer, 0, nxt,
+                                                     count=1000)
+                if claimed:
+                    self.r.xack(s, GROUP, *[mid for mid, _ in claimed])
+                if _text(nxt) == "0-0":
+                    break
+        return out
+
+    def read(self, block_ms: int = 1000, count: int = 1000) -> list["Message"]:
+        if not self.streams:
+            return []
         resp = self.r.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams},
                                  count=count, block=block_ms) or []
-        out = []
-        for stream, entries in resp:
-            stream = _text(stream)
-            for mid, raw in entries:
-                f = {_text(k): _text(v) for k, v in raw.items()}
-                out.append(Message(self.streams[stream], stream, _text(mid), f["kind"],
-                                   int(f["t"]), int(f["seq"]), f["inc"], json.loads(f["data"])))
-        return out
+        return [self._message(_text(stream), mid, raw)
+                for stream, entries in resp for mid, raw in entries]
+
+    def _message(self, stream: str, mid, raw: dict) -> "Message":
+        f = {_text(k): _text(v) for k, v in raw.items()}
+        return Message(self.streams[stream], stream, _text(mid), f["kind"], int(f["t"]),
+                       int(f["seq"]), f["inc"], json.loads(f["data"]))
 
     def ack(self, msgs: list[Message]) -> None:
         by: dict[str, list[str]] = {}
@@ -106,11 +151,18 @@ def _text(v) -> str:
 class JobInputs:
     """Messages -> JobAnalysis inputs. A rank is keyed by (node, pid), one
     integer per rank for the whole job; a message already taken (same
-    node, incarnation and seq or older) gives nothing."""
+    node, incarnation and seq or older) gives nothing. A `hello` lists all
+    of a node's ranks: those it adds are announced, those it no longer
+    lists have exited. A new incarnation (the agent restarted) announces
+    them all again."""
 
     def __init__(self):
         self.keys: dict[tuple[str, int], int] = {}
         self.node_of: dict[int, str] = {}
+        self.present: dict[str, dict[int, dict]] = {}   # node -> key -> its hello entry
+        self.incarnation: dict[str, str] = {}
+        self.acks: dict[str, dict] = {}                  # node -> rank -> ack doc
+        self.lost: dict[str, dict[int, dict]] = {}      # node -> its ranks, while it is lost
         self._last: dict[tuple[str, str], int] = {}
 
     def key(self, node: str, pid: int) -> int:
@@ -118,16 +170,57 @@ class JobInputs:
         self.node_of[k] = node
         return k
 
-    def inputs(self, m: Message) -> list:
+    def fresh(self, m: Message) -> bool:
+        """Not taken before (and from now on it is)."""
         last = self._last.get((m.node, m.incarnation), 0)
         if m.seq <= last:
-            return []
+            return False
         self._last[(m.node, m.incarnation)] = m.seq
+        return True
+
+    def inputs(self, m: Message) -> list:
+        return self.convert(m) if self.fresh(m) else []
+
+    def convert(self, m: Message) -> list:
+        """The analysis inputs in a message (taken: see `fresh`)."""
         if m.kind == "hello":
-            added = tuple({**r, "pid": self.key(m.node, r["pid"]), "node": m.node}
-                          for r in m.data.get("ranks", ()))
-            return [Targets(m.t_ns, added, (), m.data.get("begin_ns"))]
+            return self._hello(m)
         if m.kind == "iterations":
             return [Iterations(m.t_ns, self.key(m.node, m.data["pid"]),
                                tuple(m.data.get("items", ())))]
+        if m.kind == "acks":
+            self.acks[m.node] = dict(m.data.get("docs") or {})
+            return [Acks(m.t_ns, {r: d for docs in self.acks.values() for r, d in docs.items()},
+                         m.data.get("restart_observed_s"))]
         return []
+
+    def _hello(self, m: Message) -> list:
+        now = {self.key(m.node, r["pid"]): {**r, "pid": self.key(m.node, r["pid"]),
+                                              "node": m.node}
+               for r in m.data.get("ranks", ())}
+        before = self.present.get(m.node, {})
+        again = self.incarnation.get(m.node) != m.incarnation
+        self.incarnation[m.node] = m.incarnation
+        self.present[m.node] = now
+        added = tuple(d for k, d in now.items() if again or k not in before)
+        exited = tuple(k for k in before if k not in now)
+        if not added and not exited:
+            return []
+        return [Targets(m.t_ns, added, exited, m.data.get("begin_ns"))]
+
+    def lose(self, node: str, t_ns: int) -> list:
+        """The node's agent is lost: its ranks are gone until it says hello
+        again (and its acks no longer count)."""
+        self.lost[node] = self.present.pop(node, {})
+        self.acks.pop(node, None)
+        return [Targets(t_ns, exited=tuple(self.lost[node]))] if self.lost[node] else []
+
+    def revive(self, node: str, t_ns: int) -> list:
+        """The same agent speaks again: its ranks are back (a new agent
+        announces them itself)."""
+        back = self.present[node] = self.lost.pop(node, {})
+        return [Targets(t_ns, tuple(back.values()))] if back else []
+
+    def hellos(self) -> dict[str, list[dict]]:
+        """node -> its ranks, for the census."""
+        return {n: list(d.values()) for n, d in self.present.items()}

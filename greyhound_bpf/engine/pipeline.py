@@ -93,6 +93,12 @@ class JobPipeline:
                 SlowdownDetector(scope="rank", threshold=self.threshold,
                                  min_probability=self.min_probability))
 
+    def retire(self, key: int) -> None:
+        """A rank exited (or its node's agent was lost): it leads and counts
+        in the job's median again only once it reports a new iteration."""
+        if key in self.ranks:
+            self.ranks[key].last = None
+
     # -- input ---------------------------------------------------------------------
 
     def feed_records(self, recs: np.ndarray, rank_of: dict[int, int | None],

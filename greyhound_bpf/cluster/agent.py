@@ -1,0 +1,282 @@
+"""A node's agent (`attach --cluster URL --node N`): the local session's
+events go to the node's stream, the controller's plans come back to the
+node's control file.
+
+The attach loop hands every event to `Agent.sink`, which only queues it;
+one thread does all the Redis I/O, so a slow or absent Redis never stalls
+the tracer. What it publishes:
+
+- `hello`: the node's ranks (pid, its start time, rank, local rank, world
+  size, network namespace), again whenever they change and after every
+  reconnection;
+- `iterations`: each rank's iterations since the last batch, every BATCH_S;
+- `event`: the local slowdowns, verdicts, validations, losses and exits;
+- `acks`: the node's trainers' acknowledgements, when they change;
+- `heartbeat`, every HEARTBEAT_S, with what was dropped so far.
+
+When Redis goes away the agent says so once and keeps tracing locally
+(the last plan stays in the control file); iterations wait in a bounded
+buffer, and what did not fit is counted, published as a `gap` when it is
+back, and reported by the controller. Plans carry the controller's epoch: a
+plan from an epoch older than one already seen (a deposed controller) is
+not written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+
+from .bus import AgentBus, _text
+from .connect import Endpoint, Refused, check, client
+from .identity import commands_stream
+
+HEARTBEAT_S = 1.0
+BATCH_S = 0.25
+ACKS_S = 0.5
+RETRY_S = 2.0
+MAX_BUFFERED = 50_000          # iterations held while Redis is away (minutes of a node)
+FORWARDED = frozenset({"slowdown", "recovery", "diagnosis", "validation", "lost", "exit",
+                       "topology", "unprobed_site"})
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    from ..probe.discovery import read_stat
+    st = read_stat(pid)
+    return st.start_time if st else None
+
+
+class Agent:
+    def __init__(self, ep: Endpoint, job: str, node: str, control_file: str | None = None,
+                 say=print, now_ns=time.time_ns, env=os.environ):
+        self.ep, self.job, self.node, self.say, self.now_ns = ep, job, node, say, now_ns
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        r = client(ep, env)
+        self.bus = AgentBus(r, job, node, self.incarnation)
+        self.cmd_stream = commands_stream(job)
+        self.online = False
+        try:
+            check(r, ep)
+            self.online = True
+        except Refused:
+            raise
+        except Exception as e:         # unreachable: trace locally, keep trying
+            self.say(f"{e}: tracing locally, trying again every {RETRY_S:.0f} s")
+        self.control, self.lock = None, None
+        if control_file:
+            from mitigation.control import ControlWriter, writer_lock
+            self.lock, holder = writer_lock(control_file)
+            if self.lock is None:
+                self.say(f"another greyhound-trace{f' (pid {holder})' if holder else ''} "
+                         f"writes plans to {control_file}: the controller's plans are "
+                         "reported, not written")
+            else:
+                self.control = ControlWriter(control_file)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.ranks: dict[int, dict] = {}            # pid -> hello entry
+        self.pending: dict[int, list[dict]] = {}    # pid -> iterations not yet published
+        self.buffered = 0
+        self.dropped = 0                             # iterations that never left
+        self.dropped_said = 0
+        self.hello_due = True
+        self.cmd_id: str | None = None
+        self.epoch = 0
+        self.acks_last = None
+        self.published = 0
+        self.events: list[dict] = []                # local events to forward
+        self._offline_since: float | None = None if self.online else time.monotonic()
+        self._next_try = 0.0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="greyhound-agent", daemon=True)
+        self.thread.start()
+
+    # -- the attach loop's side: cheap ------------------------------------------------
+
+    def sink(self, ev: dict) -> None:
+        if ev["kind"] in ("attach", "iteration") or ev["kind"] in FORWARDED:
+            self.q.put(ev)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.thread.join(timeout)
+        if self.lock is not None:
+            self.lock.close()
+
+    # -- the agent's thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        next_hb = next_acks = 0.0
+        while True:
+            stopping = self._stop.is_set()
+            self._drain()
+            now = time.monotonic()
+            if self.online or now >= self._next_try:
+                try:
+                    if not self.online:
+                        self.bus.r.ping()
+                        self._back()
+                    self._flush()
+                    if now >= next_hb or stopping:
+                        self.bus.publish("heartbeat", self.now_ns(), dropped=self.dropped,
+                                         buffered=self.buffered, stopping=stopping)
+                        next_hb = now + HEARTBEAT_S
+                    if now >= next_acks:
+                        self._acks()
+                        next_acks = now + ACKS_S
+                    if stopping:
+                        return
+                    self._commands(block_ms=int(BATCH_S * 1000))
+                    continue
+                except Exception as e:               # redis errors, sockets, TLS
+                    self._gone(e)
+                    self._next_try = time.monotonic() + RETRY_S
+            if stopping:
+                return
+            self._stop.wait(BATCH_S)
+
+    def _gone(self, e: Exception) -> None:
+        if self.online:
+            self.online = False
+            self._offline_since = time.monotonic()
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.say(f"redis at {self.ep.where} lost ({why}): tracing locally, the last plan "
+                     f"stays in force; trying again every {RETRY_S:.0f} s")
+
+    def _back(self) -> None:
+        away = time.monotonic() - (self._offline_since or time.monotonic())
+        self.online, self._offline_since = True, None
+        self.hello_due = True
+        if self.dropped > self.dropped_said:
+            self.bus.publish("gap", self.now_ns(), dropped=self.dropped - self.dropped_said,
+                             away_s=round(away, 1))
+            self.dropped_said = self.dropped
+        self.say(f"redis at {self.ep.where} is back after {away:.0f} s")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                ev = self.q.get_nowait()
+            except queue.Empty:
+                return
+            kind = ev["kind"]
+            if kind == "attach":
+                for d in ev.get("ranks", ()):
+                    pid = int(d["pid"])
+                    self.ranks[pid] = {k: d.get(k) for k in
+                                       ("pid", "rank", "local_rank", "world_size", "comm")}
+                    self.ranks[pid].update(start_time=_start_time(pid), netns=_netns(pid))
+                    self.hello_due = True
+            elif kind == "iteration":
+                self._buffer(ev)
+            else:
+                if kind == "exit" and self.ranks.pop(int(ev.get("pid", -1)), None):
+                    self.hello_due = True
+                self._forward(ev)
+
+    def _buffer(self, ev: dict) -> None:
+        pid = next((p for p, d in self.ranks.items() if d["rank"] == ev.get("rank")), None)
+        if pid is None:
+            return                   # not a rank (no RANK): nothing the job-wide view can use
+        item = {k: ev[k] for k in ("index", "start_ns", "dur_ns", "period_calls", "comm_ns",
+                                   "compute_ns")}
+        if ev.get("disturbed"):
+            item["disturbed"] = ev["disturbed"]
+        self.pending.setdefault(pid, []).append(item)
+        self.buffered += 1
+        while self.buffered > MAX_BUFFERED:
+            longest = max(self.pending.values(), key=len)
+            longest.pop(0)
+            self.buffered -= 1
+            self.dropped += 1
+
+    def _forward(self, ev: dict) -> None:
+        self.events.append(ev)
+        if len(self.events) > 1000:                 # away for long: the latest are kept
+            self.dropped += len(self.events) - 1000
+            del self.events[:-1000]
+
+    def _flush(self) -> None:
+        t = self.now_ns()
+        if self.hello_due:
+            self.bus.hello(t, sorted(self.ranks.values(), key=lambda d: d["pid"]))
+            self.hello_due = False
+        for pid in sorted(self.pending):
+            items = self.pending[pid]
+            if items:
+                self.bus.iterations(t, pid, items)
+                self.buffered -= len(items)
+                self.published += len(items)
+                self.pending[pid] = []
+        while self.events:
+            self.bus.publish("event", self.events[0]["time_ns"], event=self.events[0])
+            self.events.pop(0)
+
+    def _acks(self) -> None:
+        if self.control is None:
+            return
+        docs, cost = self.control.ack_docs(), self.control.restart_observed_s()
+        if (docs, cost) != self.acks_last:
+            self.bus.publish("acks", self.now_ns(), docs={str(r): d for r, d in docs.items()},
+                             restart_observed_s=cost)
+            self.acks_last = (docs, cost)
+
+    # -- the controller's commands -------------------------------------------------------
+
+    def _commands(self, block_ms: int) -> None:
+        r = self.bus.r
+        if self.cmd_id is None:
+            # From the newest command on; the newest plan (if this node's
+            # control file lacks it: a node that joined late) first.
+            last = r.xrevrange(self.cmd_stream, count=100)
+            self.cmd_id = _text(last[0][0]) if last else "0-0"
+            for mid, raw in last:
+                if _text(raw.get(b"kind", raw.get("kind", b""))) == "plan":
+                    self._command(_text(mid), raw)
+                    break
+            return
+        resp = r.xread({self.cmd_stream: self.cmd_id}, count=100, block=block_ms) or []
+        for _, entries in resp:
+            for mid, raw in entries:
+                self.cmd_id = _text(mid)
+                self._command(self.cmd_id, raw)
+
+    def _command(self, mid: str, raw: dict) -> None:
+        f = {_text(k): _text(v) for k, v in raw.items()}
+        epoch = int(f.get("epoch", 0))
+        data = json.loads(f.get("data", "{}"))
+        if epoch < self.epoch:
+            self.say(f"command {mid} from controller epoch {epoch} ignored: epoch "
+                     f"{self.epoch} leads now")
+            return
+        self.epoch = epoch
+        if f.get("kind") == "plan":
+            self._plan(data)
+
+    def _plan(self, d: dict) -> None:
+        seq, strategy = int(d["seq"]), d["strategy"]
+        if self.control is None:
+            self.say(f"controller's plan {seq}: {strategy} (no --control-file: not written)")
+            return
+        if seq <= self.control.seq:
+            return                                  # written already
+        from mitigation.control import PlanError
+        plan = dict(d.get("plan") or {})
+        if "microbatches" in plan:
+            plan["microbatches"] = {int(k): v for k, v in plan["microbatches"].items()}
+        try:
+            self.control.issue(strategy, seq=seq, reason=d.get("reason", ""), **plan)
+        except (OSError, PlanError) as e:
+            self.say(f"could not write the controller's plan {seq}: {e}")
+            self.bus.publish("plan_written", self.now_ns(), seq=seq, error=str(e))
+            return
+        self.say(f"controller's plan {seq} ({strategy}) written to {self.control.path}")
+        self.bus.publish("plan_written", self.now_ns(), seq=seq, error=None)

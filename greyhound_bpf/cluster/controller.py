@@ -1,0 +1,283 @@
+"""`greyhound-trace controller`: one JobAnalysis over every node's ranks.
+
+    agents --XADD--> gh:{job}:ev:{node} --consumer group--> JobInputs --> JobAnalysis
+                                                                             | plans
+    agents <--XREAD-- gh:{job}:cmd <--(seq, epoch)-----------------------------+
+
+Only the leader reads and plans. Leadership is a lease (`SET NX PX`,
+renewed by a script that extends it only for its holder); each new leader
+takes the next epoch (`INCR`) and stamps its plans with it, so agents drop
+plans from a deposed leader once they have seen a newer one. A new leader
+rebuilds the analysis from what the group had already delivered (muted:
+nothing said twice, no plan written again), claims what was delivered but
+never acknowledged, and goes on from there.
+
+Inputs from different nodes arrive in batches a fraction of a second apart;
+they are held HOLD_S after they arrive and fed in the order of their data's
+times, a batch of iterations split into single iterations, so that the
+job-level median compares the ranks' same iterations. A node silent for LOST_AFTER heartbeats is `agent_lost`:
+its ranks leave the analysis (no verdict, no job median), and no plan is
+written while it is away (its ranks could not acknowledge); a `hello` of a
+new incarnation brings them back.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from dataclasses import dataclass
+
+from ..analysis import Iterations, JobAnalysis, PlanWritten, Targets, Tick
+from ..events import make_event
+from .agent import HEARTBEAT_S
+from .bus import ControllerBus, JobInputs, Message
+from .identity import census, commands_stream
+
+LOST_AFTER = 3                  # heartbeats
+HOLD_S = 0.6                    # inputs wait this long for other nodes' of the same time
+TICK_S = 1.0
+DISCOVER_S = 2.0
+LEASE_MS = 6000
+CMD_MAXLEN = 10_000
+
+
+class Lease:
+    _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+              "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0")
+    _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+                "return redis.call('del', KEYS[1]) end return 0")
+
+    def __init__(self, r, job: str, holder: str, ttl_ms: int = LEASE_MS):
+        self.r, self.holder, self.ttl = r, holder, ttl_ms
+        self.key, self.epoch_key = f"gh:{job}:leader", f"gh:{job}:epoch"
+        self.epoch: int | None = None
+
+    def acquire(self) -> int | None:
+        """The new epoch if this holder now leads, else None."""
+        if self.r.set(self.key, self.holder, nx=True, px=self.ttl):
+            self.epoch = int(self.r.incr(self.epoch_key))
+            return self.epoch
+        return None
+
+    def renew(self) -> bool:
+        return bool(self.r.eval(self._RENEW, 1, self.key, self.holder, self.ttl))
+
+    def release(self) -> None:
+        self.r.eval(self._RELEASE, 1, self.key, self.holder)
+
+    def leader(self) -> str | None:
+        v = self.r.get(self.key)
+        return v.decode() if isinstance(v, bytes) else v
+
+
+@dataclass
+class NodeState:
+    incarnation: str
+    seen: float                 # controller's monotonic clock, last message
+    lost: bool = False
+    dropped: int = 0
+
+
+class Controller:
+    def __init__(self, r, job: str, analysis: JobAnalysis, out, say, *, nodes=(),
+                 consumer: str = "controller-1", epoch: int = 0, mitigate: bool = False,
+                 now_ns=time.time_ns):
+        self.r, self.job, self.analysis, self.out, self.say = r, job, analysis, out, say
+        self.bus = ControllerBus(r, job, list(nodes), consumer)
+        self.inputs = JobInputs()
+        self.nodes: dict[str, NodeState] = {}
+        self.epoch, self.mitigate, self.now_ns = epoch, mitigate, now_ns
+        self.cmd = commands_stream(job)
+        self.held: list = []                 # (t_ns, order, received, input)
+        self.data_t: dict[str, int] = {}     # node -> the latest data time it sent
+        self._order = 0
+        self.muted = False
+        self.census_said = None
+        self.plans = 0
+        self.write_failed = False
+        self._next_tick = self._next_discover = 0.0
+
+    # -- start: rebuild from what was delivered -----------------------------------------
+
+    def start(self) -> int:
+        """Find the nodes, rebuild from the group's history; the number of
+        messages replayed."""
+        self.bus.discover()
+        old = self.bus.history()
+        self.muted = True
+        try:
+            self._take(old)
+            self._release(float("inf"))
+        finally:
+            self.muted = False
+        last = self.r.xrevrange(self.cmd, count=1)
+        if last:
+            seq = json.loads(_field(last[0][1], "data")).get("seq", 0)
+            self.analysis.next_seq = max(self.analysis.next_seq, int(seq) + 1)
+        return len(old)
+
+    # -- one turn of the loop -----------------------------------------------------------
+
+    def step(self, block_ms: int = 250) -> None:
+        now = time.monotonic()
+        if now >= self._next_discover:
+            for n in self.bus.discover():
+                self.say(f"reading node {n}'s stream")
+            self._next_discover = now + DISCOVER_S
+        msgs = self.bus.read(block_ms=block_ms)
+        self._take(msgs)
+        self.bus.ack(msgs)
+        self._release(time.monotonic() - HOLD_S)
+        now = time.monotonic()
+        self._check_lost(now)
+        if now >= self._next_tick:
+            self._feed(Tick(self.now_ns()))
+            self._next_tick = now + TICK_S
+
+    def _take(self, msgs: list[Message]) -> None:
+        for m in sorted(msgs, key=lambda m: (m.t_ns, m.node, m.seq)):
+            self._seen(m)
+            if not self.inputs.fresh(m):
+                continue                         # delivered twice: taken already
+            for inp in self.inputs.convert(m):
+                self._hold(inp)
+            if m.kind == "hello":
+                self._census(m.t_ns)
+            elif m.kind == "event":
+                self._emit("node_event", m.t_ns, node=m.node, event=m.data.get("event"))
+            elif m.kind == "gap":
+                self._emit("gap", m.t_ns, node=m.node, **m.data)
+                if not self.muted:
+                    self.say(f"node {m.node}: {m.data.get('dropped')} record(s) lost while "
+                             f"redis was away ({m.data.get('away_s')} s)")
+            elif m.kind == "plan_written" and m.data.get("error"):
+                self.write_failed = True
+                self._hold(PlanWritten(m.t_ns, int(m.data["seq"]),
+                                       f"node {m.node}: {m.data['error']}"))
+            elif m.kind == "heartbeat" and m.data.get("stopping"):
+                self._lose(m.node, m.t_ns, "agent_left")
+
+    def _hold(self, inp) -> None:
+        if isinstance(inp, Iterations):
+            node = self.inputs.node_of.get(inp.key)
+            for d in inp.items:          # one by one, in the order of their ends
+                end = int(d["start_ns"]) + int(d["dur_ns"])
+                self._push(end, Iterations(end, inp.key, (d,)))
+                self.data_t[node] = max(self.data_t.get(node, 0), end)
+        elif isinstance(inp, Targets) and inp.added:
+            self._push(0, inp)               # before any iteration of its ranks
+        else:
+            self._push(inp.t_ns, inp)
+
+    def _push(self, t_ns: int, inp) -> None:
+        self._order += 1
+        heapq.heappush(self.held, (t_ns, self._order, time.monotonic(), inp))
+
+    def _release(self, received_before: float) -> None:
+        """Fed in the order of their times, once the earliest has waited
+        HOLD_S (what arrived within HOLD_S of each other is in order)."""
+        while self.held and self.held[0][2] <= received_before:
+            self._feed(heapq.heappop(self.held)[3])
+
+    def _feed(self, inp) -> None:
+        for ev in self.analysis.feed(inp):
+            self._route(ev)
+
+    # -- nodes ----------------------------------------------------------------------
+
+    def _seen(self, m: Message) -> None:
+        st, now = self.nodes.get(m.node), time.monotonic()
+        if st is None or st.incarnation != m.incarnation:
+            self.nodes[m.node] = NodeState(m.incarnation, now)
+            self._emit("agent", m.t_ns, node=m.node, agent=m.incarnation, rejoined=st is not None)
+            if not self.muted:
+                self.say(f"node {m.node}: agent {m.incarnation} "
+                         f"{'joined' if st is None else 'rejoined'}")
+            self._plans_allowed()
+            return
+        silent, st.seen = now - st.seen, now
+        if st.lost and not (m.kind == "heartbeat" and m.data.get("stopping")):
+            # Back, the same agent (stopped, or cut off from redis a while).
+            st.lost = False
+            self._emit("agent", m.t_ns, node=m.node, agent=m.incarnation, rejoined=True,
+                       silent_s=round(silent, 1))
+            if not self.muted:
+                self.say(f"node {m.node}: agent {m.incarnation} is back after {silent:.0f} s")
+            for inp in self.inputs.revive(m.node, m.t_ns):
+                self._hold(inp)
+            self._census(m.t_ns)
+            self._plans_allowed()
+
+    def _check_lost(self, now: float) -> None:
+        for node, st in self.nodes.items():
+            if not st.lost and now - st.seen > LOST_AFTER * HEARTBEAT_S:
+                self._lose(node, self.now_ns(), "agent_lost", silent_s=round(now - st.seen, 1))
+
+    def _lose(self, node: str, t_ns: int, kind: str, **extra) -> None:
+        st = self.nodes.get(node)
+        if st is None or st.lost:
+            return
+        st.lost = True
+        ranks = sorted(d.get("rank") for d in self.inputs.present.get(node, {}).values()
+                       if d.get("rank") is not None)
+        self._emit(kind, t_ns, node=node, agent=st.incarnation, ranks=ranks, **extra)
+        if not self.muted:
+            self.say(f"node {node}: agent {'lost' if kind == 'agent_lost' else 'left'} "
+                     f"(ranks {ranks}): no verdicts on them and no plans until it is back")
+        # Its ranks leave after the last of their iterations that arrived.
+        for inp in self.inputs.lose(node, self.data_t.get(node, t_ns)):
+            self._hold(inp)
+        self._census(t_ns)
+        self._plans_allowed()
+
+    def _plans_allowed(self) -> None:
+        """Plans are written only while every node's agent is there to
+        write them and acknowledge them (and none failed to)."""
+        if self.mitigate and not self.write_failed:
+            away = any(st.lost for st in self.nodes.values())
+            self.analysis.mode = "advise" if away else "mitigate"
+
+    def _census(self, t_ns: int) -> None:
+        c = census(self.inputs.hellos())
+        said = (c.complete, tuple(c.problems()))
+        if said == self.census_said or c.world is None:
+            return
+        self.census_said = said
+        self._emit("census", t_ns, world=c.world, complete=c.complete, problems=c.problems(),
+                   nodes={r: ns for r, ns in sorted(c.where.items())})
+        if not self.muted:
+            self.say(f"all {c.world} ranks announced by {len(self.inputs.present)} node(s)"
+                     if c.complete else "ranks: " + "; ".join(c.problems()))
+
+    # -- events out ---------------------------------------------------------------------
+
+    def node_of_rank(self, rank) -> str | None:
+        for node, ranks in self.inputs.present.items():
+            if any(d.get("rank") == rank for d in ranks.values()):
+                return node
+        return None
+
+    def _emit(self, kind: str, t_ns: int, **fields) -> None:
+        if not self.muted:
+            self.out(make_event(kind, self.job, t_ns, **fields))
+
+    def _route(self, ev: dict) -> None:
+        ranks = ev.get("ranks") if isinstance(ev.get("ranks"), list) else (
+            [ev["rank"]] if ev.get("rank") is not None else [])
+        nodes = sorted({n for n in map(self.node_of_rank, ranks) if n})
+        if nodes:
+            ev["nodes"] = nodes
+        if self.muted:
+            return
+        self.out(ev)
+        if ev["kind"] == "action" and ev.get("seq") is not None and ev.get("phase") != "outcome":
+            self.r.xadd(self.cmd, {"kind": "plan", "epoch": self.epoch, "t": ev["time_ns"],
+                                   "data": json.dumps({k: ev.get(k) for k in (
+                                       "seq", "strategy", "plan", "reason")})},
+                        maxlen=CMD_MAXLEN, approximate=True)
+            self.plans += 1
+
+
+def _field(raw: dict, name: str) -> str:
+    v = raw.get(name.encode(), raw.get(name))
+    return v.decode() if isinstance(v, bytes) else v

@@ -1,0 +1,251 @@
+"""The controller and its agents over a real redis-server (issue #14).
+
+Agents are the real cluster.agent.Agent, each in its own process
+(tests/agent_replay.py), publishing the ranks of its node from a recorded
+real job (the corpus's compute-demo4-r2: 4 gloo ranks, rank 2 under a CPU
+quota); the controller is the real Controller over the real consumer
+group. Tried:
+- the controller names the slow rank and its node, and the census says
+  every rank was announced once;
+- `kill -9` of an agent: `agent_lost` after 3 heartbeats, its ranks leave
+  the analysis (no verdict on them, no plan), and a new agent on that node
+  rejoins;
+- a restarted controller rebuilds its analysis from what the group had
+  delivered, says nothing twice, and goes on;
+- a plan reaches an agent's control file; a deposed leader's is refused;
+- wrong credentials, a password on the command line, TLS without the CA:
+  one line, and refused.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import corpus
+from greyhound_bpf import GreyhoundError
+from greyhound_bpf.analysis import AnalysisConfig, JobAnalysis
+from greyhound_bpf.cluster.agent import Agent
+from greyhound_bpf.cluster.connect import Refused, check, client, endpoint
+from greyhound_bpf.cluster.controller import Controller, Lease
+from greyhound_bpf.probe.catalog import load_catalog
+from harness import wait_for
+from redisbed import RedisBed
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "jobc"
+RECORDING = corpus.SCENARIOS / "compute-demo4-r2.rec.gz"
+SPEED = 4.0             # the recording's pace: its 72 s in 18
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    with RedisBed(tmp_path_factory.mktemp("redis"), JOB, ["a", "b"]) as b:
+        yield b
+
+
+@pytest.fixture
+def fresh(bed):
+    """No streams, commands or lease of an earlier test."""
+    r = bed.client("controller")
+    for k in r.scan_iter(match=f"gh:{JOB}:*"):
+        r.delete(k)
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def start_agent(bed, procs, node: str, ranks: str):
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "agent_replay.py"), bed.url,
+                          JOB, node, ranks, str(RECORDING),
+                          str(bed.secret_file(f"agent-{node}")), str(SPEED)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs.append(p)
+    return p
+
+
+def make_controller(bed, consumer="c1", mitigate=False, epoch=1):
+    events, said = [], []
+    config = AnalysisConfig(validate=False, mitigate=mitigate)
+    ctl = Controller(bed.client("controller"), JOB, JobAnalysis(load_catalog(), JOB, config),
+                     events.append, said.append, consumer=consumer, epoch=epoch,
+                     mitigate=mitigate)
+    return ctl, events, said
+
+
+def run_until(ctl, pred, timeout: float, what: str, said=None):
+    def turn():
+        ctl.step(block_ms=100)
+        return pred()
+    return wait_for(turn, timeout, what, interval=0,
+                    why=lambda: "\n".join(said or []))
+
+
+def kinds(events, kind):
+    return [e for e in events if e["kind"] == kind]
+
+
+def test_the_controller_names_the_slow_rank_and_its_node(bed, fresh):
+    start_agent(bed, fresh, "a", "0,1")
+    start_agent(bed, fresh, "b", "2,3")
+    ctl, events, said = make_controller(bed)
+    ctl.start()
+    run_until(ctl, lambda: any(d.get("ranks") == [2] for d in kinds(events, "diagnosis")),
+              90, "a verdict on rank 2", said)
+    d = next(d for d in kinds(events, "diagnosis") if d.get("ranks") == [2])
+    assert (d["cause"], d["evidence"], d["nodes"]) == ("computation", "passive", ["b"])
+    # Every verdict the controller gave is about the slow rank.
+    assert {tuple(x["ranks"]) for x in kinds(events, "diagnosis") if x.get("ranks")} == {(2,)}
+    census = kinds(events, "census")[-1]
+    assert census["complete"] and census["world"] == 4 and census["problems"] == []
+    assert census["nodes"] == {0: ["a"], 1: ["a"], 2: ["b"], 3: ["b"]}
+    assert {e["node"] for e in kinds(events, "agent")} == {"a", "b"}
+    # Job-level iterations came from both nodes' ranks.
+    assert {e["rank"] for e in kinds(events, "iteration")} == {0, 1, 2, 3}
+
+
+def test_a_killed_agent_is_lost_then_rejoins(bed, fresh):
+    start_agent(bed, fresh, "a", "0,1")
+    b = start_agent(bed, fresh, "b", "2,3")
+    ctl, events, said = make_controller(bed)
+    ctl.start()
+    run_until(ctl, lambda: kinds(events, "census") and kinds(events, "census")[-1]["complete"]
+              and len(kinds(events, "iteration")) > 400, 90, "both nodes' iterations", said)
+    os.kill(b.pid, signal.SIGKILL)
+    b.wait(10)
+    t_kill = time.monotonic()
+    run_until(ctl, lambda: kinds(events, "agent_lost"), 15, "agent_lost", said)
+    lost = kinds(events, "agent_lost")[0]
+    assert (lost["node"], lost["ranks"]) == ("b", [2, 3])
+    assert 2.5 < time.monotonic() - t_kill < 8
+    assert lost["silent_s"] >= 3.0
+    assert not kinds(events, "agent_left")
+    at = len(events)
+    for _ in range(20):                 # the controller goes on without node b
+        ctl.step(block_ms=100)
+    ranks = ctl.analysis.ranks
+    assert sorted(r.rank for r in ranks.values() if r.exited) == [2, 3]
+    assert not [e for e in events[at:] if e["kind"] == "diagnosis"]
+    assert kinds(events, "census")[-1]["complete"] is False
+    # A new agent on node b: a new incarnation, its ranks announced again.
+    start_agent(bed, fresh, "b", "2,3")
+    run_until(ctl, lambda: [e for e in kinds(events, "agent") if e["node"] == "b"
+                            and e["rejoined"]], 60, "node b rejoining", said)
+    run_until(ctl, lambda: kinds(events, "census")[-1]["complete"], 30, "census again", said)
+    run_until(ctl, lambda: sorted(r.rank for r in ranks.values() if not r.exited) == [0, 1, 2, 3],
+              5, "ranks 2 and 3 back in the analysis", said)
+    run_until(ctl, lambda: any(e["rank"] == 2 for e in kinds(events[at:], "iteration")), 30,
+              "rank 2's iterations again", said)
+
+
+def test_a_new_controller_rebuilds_from_the_group_and_says_nothing_twice(bed, fresh):
+    start_agent(bed, fresh, "a", "0,1")
+    start_agent(bed, fresh, "b", "2,3")
+    first, events1, said1 = make_controller(bed, "c1")
+    first.start()
+    run_until(first, lambda: kinds(events1, "diagnosis"), 90, "a verdict", said1)
+    # The second controller: another consumer; what the first took is history.
+    second, events2, said2 = make_controller(bed, "c2")
+    n = second.start()
+    assert n >= 6                       # hellos, batches of iterations, heartbeats
+    assert events2 == []                                # rebuilt, muted
+    assert [(d.cause, d.ranks) for d in second.analysis.diagnoses] == \
+        [(d.cause, d.ranks) for d in first.analysis.diagnoses]
+    # (The first still holds its last fraction of a second, not yet fed.)
+    assert second.analysis.job_iterations >= first.analysis.job_iterations > 300
+    # The second goes on with what the first never read, to the end.
+    run_until(second, lambda: all("fed" in p.stdout.readline() for p in fresh), 60,
+              "the agents to have published the whole recording")
+    for _ in range(20):
+        second.step(block_ms=100)
+
+    def said(evs):
+        return [(e["cause"], e["ranks"], e["time_ns"]) for e in kinds(evs, "diagnosis")]
+    # Between them they said each verdict once: what one controller
+    # rebuilding from everything finds.
+    third, events3, _ = make_controller(bed, "c3")
+    third.start()
+    assert events3 == []
+    assert said(events1) + said(events2) == [
+        (d.cause, list(d.ranks), d.details["at_ns"]) for d in third.analysis.diagnoses]
+    assert said(events1) and said(events2)
+
+
+def test_a_plan_reaches_the_agents_control_file_and_a_deposed_leaders_does_not(bed, fresh,
+                                                                              tmp_path):
+    r = bed.client("controller")
+    old, new = Lease(r, JOB, "old"), Lease(r, JOB, "new", ttl_ms=60_000)
+    e1 = old.acquire()
+    assert e1 is not None and new.acquire() is None
+    old.release()
+    e2 = new.acquire()
+    assert e2 == e1 + 1 and new.renew() and not old.renew()
+    ctl_file = tmp_path / "ctl.json"
+    agent = Agent(endpoint(bed.url, "agent-a", bed.secret_file("agent-a")), JOB, "a",
+                  str(ctl_file), say=print)
+    try:
+        def plan(epoch, seq, split):
+            r.xadd(f"gh:{JOB}:cmd", {"kind": "plan", "epoch": epoch, "t": 1, "data": json.dumps(
+                {"seq": seq, "strategy": "rebalance_microbatches",
+                 "plan": {"microbatches": {"0": split[0], "1": split[1]}}, "reason": "test"})})
+        time.sleep(0.6)                      # the agent reads from the newest command on
+        plan(e2, 1, (5, 3))
+        wait_for(lambda: ctl_file.exists(), 10, "plan 1 written")
+        plan(e1, 2, (2, 6))                  # the deposed leader
+        plan(e2, 3, (4, 4))
+        wait_for(lambda: json.loads(ctl_file.read_text())["seq"] == 3, 10, "plan 3 written")
+        doc = json.loads(ctl_file.read_text())
+        assert doc["microbatches"] == {"0": 4, "1": 4}
+    finally:
+        agent.close()
+    # The agent said it wrote 1 and 3, never 2.
+    got = [json.loads(f[b"data"])["seq"] for _, f in r.xrange(f"gh:{JOB}:ev:a")
+           if f[b"kind"] == b"plan_written"]
+    assert got == [1, 3]
+
+
+def test_refused_credentials_and_a_password_on_the_command_line(bed, fresh, tmp_path):
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope\n")
+    ep = endpoint(bed.url, "agent-a", str(wrong))
+    with pytest.raises(Refused, match="refused user 'agent-a'") as e:
+        check(client(ep), ep)
+    assert "\n" not in str(e.value)
+    with pytest.raises(GreyhoundError, match="no password in the URL"):
+        endpoint(f"redis://agent-a:{bed.passwords['agent-a']}@{bed.bind}:{bed.port}", "x")
+    # The command: one line on stderr, exit 2, no traceback.
+    env = {**os.environ, "GREYHOUND_REDIS_PASSWORD": "nope"}
+    p = subprocess.run([sys.executable, "-m", "greyhound_bpf.cli", "controller", "--cluster",
+                        bed.url, "--job", JOB, "--duration", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and "refused user 'controller'" in p.stderr
+    # An agent may not write another node's stream, nor read the events.
+    import redis
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        bed.client("agent-a").xadd(f"gh:{JOB}:ev:b", {"kind": "x"})
+
+
+def test_tls_needs_the_ca(tmp_path):
+    with RedisBed(tmp_path, JOB, ["a"], tls=True) as tls:
+        secret = str(tls.secret_file("agent-a"))
+        ok = endpoint(tls.url, "agent-a", secret, ca=str(tls.certs["ca.pem"]))
+        check(client(ok), ok)
+        with_cert = endpoint(tls.url, "agent-a", secret, ca=str(tls.certs["ca.pem"]),
+                             cert=str(tls.certs["client.pem"]),
+                             key=str(tls.certs["client.key"]))
+        check(client(with_cert), with_cert)
+        no_ca = endpoint(tls.url, "agent-a", secret)
+        with pytest.raises(Refused, match="TLS failed") as e:
+            check(client(no_ca), no_ca)
+        assert "\n" not in str(e.value)
+        plain = endpoint(tls.url.replace("rediss", "redis"), "agent-a", secret)
+        with pytest.raises(GreyhoundError):
+            check(client(plain), plain)
