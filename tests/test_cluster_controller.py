@@ -105,7 +105,7 @@ def test_the_controller_names_the_slow_rank_and_its_node(bed, fresh):
     assert {tuple(x["ranks"]) for x in kinds(events, "diagnosis") if x.get("ranks")} == {(2,)}
     census = kinds(events, "census")[-1]
     assert census["complete"] and census["world"] == 4 and census["problems"] == []
-    assert census["nodes"] == {0: ["a"], 1: ["a"], 2: ["b"], 3: ["b"]}
+    assert census["where"] == {0: ["a"], 1: ["a"], 2: ["b"], 3: ["b"]}
     assert {e["node"] for e in kinds(events, "agent")} == {"a", "b"}
     # Job-level iterations came from both nodes' ranks.
     assert {e["rank"] for e in kinds(events, "iteration")} == {0, 1, 2, 3}

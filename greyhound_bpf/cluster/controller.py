@@ -147,9 +147,6 @@ class Controller:
                 self._emit("node_event", m.t_ns, node=m.node, event=m.data.get("event"))
             elif m.kind == "gap":
                 self._emit("gap", m.t_ns, node=m.node, **m.data)
-                if not self.muted:
-                    self.say(f"node {m.node}: {m.data.get('dropped')} record(s) lost while "
-                             f"redis was away ({m.data.get('away_s')} s)")
             elif m.kind == "plan_written" and m.data.get("error"):
                 self.write_failed = True
                 self._hold(PlanWritten(m.t_ns, int(m.data["seq"]),
@@ -190,9 +187,6 @@ class Controller:
         if st is None or st.incarnation != m.incarnation:
             self.nodes[m.node] = NodeState(m.incarnation, now)
             self._emit("agent", m.t_ns, node=m.node, agent=m.incarnation, rejoined=st is not None)
-            if not self.muted:
-                self.say(f"node {m.node}: agent {m.incarnation} "
-                         f"{'joined' if st is None else 'rejoined'}")
             self._plans_allowed()
             return
         silent, st.seen = now - st.seen, now
@@ -201,8 +195,6 @@ class Controller:
             st.lost = False
             self._emit("agent", m.t_ns, node=m.node, agent=m.incarnation, rejoined=True,
                        silent_s=round(silent, 1))
-            if not self.muted:
-                self.say(f"node {m.node}: agent {m.incarnation} is back after {silent:.0f} s")
             for inp in self.inputs.revive(m.node, m.t_ns):
                 self._hold(inp)
             self._census(m.t_ns)
@@ -221,9 +213,6 @@ class Controller:
         ranks = sorted(d.get("rank") for d in self.inputs.present.get(node, {}).values()
                        if d.get("rank") is not None)
         self._emit(kind, t_ns, node=node, agent=st.incarnation, ranks=ranks, **extra)
-        if not self.muted:
-            self.say(f"node {node}: agent {'lost' if kind == 'agent_lost' else 'left'} "
-                     f"(ranks {ranks}): no verdicts on them and no plans until it is back")
         # Its ranks leave after the last of their iterations that arrived.
         for inp in self.inputs.lose(node, self.data_t.get(node, t_ns)):
             self._hold(inp)
@@ -244,10 +233,7 @@ class Controller:
             return
         self.census_said = said
         self._emit("census", t_ns, world=c.world, complete=c.complete, problems=c.problems(),
-                   nodes={r: ns for r, ns in sorted(c.where.items())})
-        if not self.muted:
-            self.say(f"all {c.world} ranks announced by {len(self.inputs.present)} node(s)"
-                     if c.complete else "ranks: " + "; ".join(c.problems()))
+                   where={r: ns for r, ns in sorted(c.where.items())})
 
     # -- events out ---------------------------------------------------------------------
 

@@ -63,7 +63,20 @@ def _line(kind: str, f: dict) -> str | None:
             return f"{f['what']} began (our own activity: the job's iterations meanwhile " \
                    "are not its speed)"
         return f"{f['what']} ended after {(f['end_ns'] - f['start_ns']) / 1e9:.2f} s"
-    if kind in ("iteration", "call", "attach", "detach"):
+    if kind == "agent":
+        back = f" is back after {f['silent_s']:.0f} s" if f.get("silent_s") is not None else \
+            " rejoined (a new agent)" if f.get("rejoined") else " joined"
+        return f"node {f['node']}: agent {f['agent']}{back}"
+    if kind in ("agent_lost", "agent_left"):
+        how = (f"lost (silent {f['silent_s']:.0f} s)" if kind == "agent_lost" else "left")
+        return (f"node {f['node']}: agent {how}; ranks {f['ranks']} get no verdict and no "
+                "plan is written until it is back")
+    if kind == "census":
+        return (f"all {f['world']} ranks announced once" if f["complete"]
+                else "ranks: " + "; ".join(f["problems"]))
+    if kind == "gap":
+        return f"node {f['node']}: {f['dropped']} record(s) lost while redis was away"
+    if kind in ("iteration", "call", "attach", "detach", "node_event"):
         return None
     return f"{kind} {f}"
 

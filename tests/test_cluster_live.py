@@ -1,0 +1,155 @@
+"""Many machines, for real, on one (issue #14): two network namespaces are
+two nodes; a real `torchrun --nnodes 2` (c10d rendezvous across the
+bridge, gloo over each namespace's veth) runs 2 ranks on each; each node
+has its own `greyhound-trace attach --cluster` agent, and one
+`greyhound-trace controller` leads. Redis is the real redis-server on the
+bridge's address, with TLS (a CA made here) and one ACL user each.
+
+One run, no retries:
+- healthy: every rank announced once, nothing named, nothing planned;
+- a CPU quota on a rank of node n1: the controller names that rank, its
+  cause and its node, and its plan is written to both nodes' control files
+  and applied by all four ranks at one step, the global batch kept;
+- `kill -9` of node n0's agent: `agent_lost` with its ranks, no verdict on
+  them; a new agent there rejoins and the census is whole again.
+"""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from greyhound_bpf.inject import CpuQuota
+from harness import GREYHOUND, ROOT, JsonlTail, cpu_share, rank_pids, wait_for
+from netbed import NetBed
+from redisbed import RedisBed
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
+
+RUN_ID = "ghcl"
+TRAIN = ("--microbatches", "4", "--mb-size", "256", "--hidden", "128", "--layers", "3",
+         "--bucket-mb", "25")
+
+
+def test_two_nodes_one_controller(tmp_path, tracer):
+    bed = NetBed(2, prefix="ghc", subnet="10.213.0")
+    with bed:
+        redis = RedisBed(tmp_path, RUN_ID, ["n0", "n1"], bind=bed.addr(bed.HOST),
+                         tls=True).start()
+        ctl_proc = None
+        try:
+            ctl_proc = _run(tmp_path, bed, redis, tracer)
+        finally:
+            if ctl_proc is not None and ctl_proc.poll() is None:
+                ctl_proc.send_signal(signal.SIGINT)
+                ctl_proc.wait(15)
+            redis.stop()
+    assert bed.leftovers() == []
+
+
+def _run(tmp_path, bed, redis, tracer):
+    ca = str(redis.certs["ca.pem"])
+    control = {i: tmp_path / f"n{i}" / "ctl.json" for i in range(2)}
+    truth = {i: tmp_path / f"n{i}" / "truth.jsonl" for i in range(2)}
+    port = 29500 + os.getpid() % 400
+    jobs = {}
+    for i in range(2):
+        control[i].parent.mkdir()
+        jobs[i] = bed.start_torchrun(i, 2, RUN_ID, port, truth[i], *TRAIN, "--control-file",
+                                     str(control[i]), log=tmp_path / f"torchrun-n{i}.out")
+    ranks = {i: wait_for(lambda i=i: (lambda r: r if len(r) == 2 else None)(
+        rank_pids(jobs[i].pid)), 120, f"node n{i}'s 2 ranks") for i in range(2)}
+    node_of = {r: f"n{i}" for i in range(2) for r in ranks[i]}
+    assert sorted(node_of) == [0, 1, 2, 3]
+    truths = {i: JsonlTail(truth[i]) for i in range(2)}
+    wait_for(lambda: all(len(truths[i].read()) >= 20 for i in range(2)) or None, 120,
+             "both nodes to train")
+
+    events_path = tmp_path / "controller.jsonl"
+    ctl_out = open(tmp_path / "controller.out", "w")
+    ctl = subprocess.Popen(
+        [*GREYHOUND, "controller", "--cluster", redis.url, "--job", RUN_ID, "--cluster-ca", ca,
+         "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path),
+         "--mitigate"], cwd=ROOT, stdout=ctl_out, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    events = JsonlTail(events_path)
+    seen = events.all                      # every event so far (read() appends)
+
+    def kind(k):
+        return [e for e in events.read() if e["kind"] == k]
+
+    def story():
+        return "\n".join(str({k: e.get(k) for k in ("kind", "node", "ranks", "nodes", "cause",
+                                                    "evidence", "strategy", "seq", "reason")})
+                         for e in seen if e["kind"] not in ("iteration",))
+
+    def agent(i):
+        return tracer([jobs[i].pid], "-q", "--cluster", redis.url, "--node", f"n{i}",
+                      "--cluster-ca", ca, "--cluster-secret",
+                      str(redis.secret_file(f"agent-n{i}")), "--control-file", str(control[i]),
+                      name=f"agent-n{i}")
+
+    agents = {i: agent(i) for i in range(2)}
+    for a in agents.values():
+        a.wait_attached(2)
+    census = wait_for(lambda: [c for c in kind("census") if c["complete"]], 60,
+                      "every rank announced", why=story)[0]
+    assert census["world"] == 4
+    assert {int(r): n for r, n in census["where"].items()} == {r: [n] for r, n in
+                                                               node_of.items()}
+
+    # Healthy: each agent has measured its ranks a while; nothing is named.
+    for a in agents.values():
+        wait_for(lambda a=a: min(len(a.measured(r)) for r in
+                                 {e["rank"] for e in a.attached_ranks()}) >= 60, 120,
+                 "60 measured iterations per rank", interval=0.5)
+    time.sleep(5)
+    assert [e for e in kind("diagnosis") if e["cause"] != "unknown"] == [], story()
+    assert [e for e in kind("action") if e.get("seq") is not None] == [], story()
+
+    # A straggler on node n1.
+    slow = min(ranks[1])
+    with CpuQuota(ranks[1][slow], max(0.02, cpu_share(ranks[1][slow], 3) / 3)):
+        start = time.time_ns()
+        named = wait_for(lambda: [e for e in kind("diagnosis") if e["time_ns"] > start
+                                  and e["cause"] != "unknown"], 60, "the controller's verdict",
+                         interval=0.5, why=story)[0]
+        assert (named["cause"], named["ranks"], named["nodes"]) == \
+            ("computation", [slow], ["n1"]), story()
+        applied = wait_for(lambda: kind("applied"), 90, "a plan applied by every rank",
+                           interval=0.5, why=story)[0]
+    assert applied["ranks"] == [0, 1, 2, 3], story()
+    plan = next(e for e in kind("action") if e.get("seq") == applied["seq"])
+    mb = {int(r): n for r, n in plan["plan"]["microbatches"].items()}
+    assert sum(mb.values()) == 16 and mb[slow] < 4, plan
+    # Every rank ran the plan from the same step (the trainers' own logs),
+    # and every step kept the global batch.
+    steps: dict[int, dict[int, int]] = {}
+    for i in range(2):
+        for d in truths[i].read():
+            if not d.get("final"):
+                steps.setdefault(d["index"], {})[d["rank"]] = d["microbatches"]
+    whole = {i: s for i, s in steps.items() if len(s) == 4}
+    assert all(sum(s.values()) == 16 for s in whole.values()), whole
+    switched = min(i for i, s in whole.items() if s == mb)
+    assert all(s == {r: 4 for r in range(4)} for i, s in whole.items() if i < switched), whole
+    for e in kind("diagnosis"):
+        assert e["cause"] == "unknown" or e["ranks"] == [slow], story()
+
+    # kill -9 of node n0's agent, then a new one.
+    os.kill(agents[0].proc.pid, signal.SIGKILL)
+    lost = wait_for(lambda: kind("agent_lost"), 15, "agent_lost", why=story)[0]
+    assert (lost["node"], lost["ranks"]) == ("n0", sorted(ranks[0])), lost
+    at = len(seen)
+    time.sleep(3)
+    events.read()
+    assert not [e for e in seen[at:] if e["kind"] == "diagnosis"
+                and set(e["ranks"]) & set(ranks[0])], story()
+    agents[0] = agent(0)
+    wait_for(lambda: [e for e in kind("agent") if e["node"] == "n0" and e["rejoined"]], 60,
+             "node n0's new agent", why=story)
+    wait_for(lambda: kind("census")[-1]["complete"], 30, "the census whole again", why=story)
+    for a in agents.values():
+        a.stop()
+    return ctl
