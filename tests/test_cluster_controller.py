@@ -249,3 +249,54 @@ def test_tls_needs_the_ca(tmp_path):
         plain = endpoint(tls.url.replace("rediss", "redis"), "agent-a", secret)
         with pytest.raises(GreyhoundError):
             check(client(plain), plain)
+
+
+def test_a_standby_takes_over_from_a_killed_leader_with_no_duplicate_plan(bed, fresh,
+                                                                         tmp_path):
+    def controller(name):
+        out = open(tmp_path / f"{name}.out", "w+")
+        p = subprocess.Popen(
+            [sys.executable, "-m", "greyhound_bpf.cli", "controller", "--cluster", bed.url,
+             "--job", JOB, "--cluster-secret", str(bed.secret_file("controller")),
+             "--mitigate", "--microbatches", "16", "-o", str(tmp_path / f"{name}.jsonl")],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        fresh.append(p)
+        return p, out
+
+    def said(out):
+        out.flush()
+        out.seek(0)
+        return out.read()
+
+    def plans():
+        r = bed.client("controller")
+        return [(int(f[b"epoch"]), json.loads(f[b"data"])["seq"])
+                for _, f in r.xrange(f"gh:{JOB}:cmd") if f[b"kind"] == b"plan"]
+
+    leader, leader_out = controller("leader")
+    wait_for(lambda: "leading job" in said(leader_out), 30, "the first to lead")
+    standby, standby_out = controller("standby")
+    wait_for(lambda: "standby:" in said(standby_out), 30, "the second to wait")
+    start_agent(bed, fresh, "a", "0,1")
+    start_agent(bed, fresh, "b", "2,3")
+    wait_for(plans, 90, "the leader's first plan", interval=0.2,
+             why=lambda: said(leader_out))
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.wait(10)
+    wait_for(lambda: "leading job" in said(standby_out), 20, "the standby to take over",
+             why=lambda: said(standby_out))
+    assert "(epoch 2)" in said(standby_out) and "rebuilt from" in said(standby_out)
+    time.sleep(8)                                       # the rest of the recording
+    got = plans()
+    assert got[0] == (1, 1), got
+    seqs = [s for _, s in got]
+    assert seqs == sorted(set(seqs)), got               # no plan number twice
+    assert all(e == 2 for e, s in got[1:]), got          # later ones are the new leader's
+    # What the standby wrote says nothing the leader had said.
+    events = [json.loads(x) for x in (tmp_path / "standby.jsonl").read_text().splitlines()]
+    lead = [json.loads(x) for x in (tmp_path / "leader.jsonl").read_text().splitlines()]
+    key = lambda e: (e["kind"], e["time_ns"], e.get("seq"))  # noqa: E731
+    assert not {key(e) for e in events if e["kind"] in ("diagnosis", "action")} & \
+        {key(e) for e in lead if e["kind"] in ("diagnosis", "action")}
+    standby.send_signal(signal.SIGINT)
+    assert standby.wait(15) == 0
