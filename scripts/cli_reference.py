@@ -18,7 +18,8 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- cli:begin (scripts/cli_reference.py) -->", "<!-- cli:end -->"
 COMMANDS = [["greyhound-trace", "attach"], ["greyhound-trace", "replay"],
             ["greyhound-trace", "report"], ["greyhound-trace", "validate"],
-            ["greyhound-trace", "inject"], ["greyhound-trace", "check"], ["greyhound-run"]]
+            ["greyhound-trace", "inject"], ["greyhound-trace", "check"],
+            ["greyhound-trace", "controller"], ["greyhound-run"]]
 
 
 def help_text(cmd: list[str]) -> str:

@@ -300,3 +300,25 @@ def test_a_standby_takes_over_from_a_killed_leader_with_no_duplicate_plan(bed, f
         {key(e) for e in lead if e["kind"] in ("diagnosis", "action")}
     standby.send_signal(signal.SIGINT)
     assert standby.wait(15) == 0
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["attach", "1", "--node", "a"], 2, "--node goes with --cluster URL"),
+    (["attach", "1", "--cluster", "redis://127.0.0.1:1"], 2, "--cluster needs --node NAME"),
+    (["attach", "1", "--cluster", "redis://u:pw@127.0.0.1:1", "--node", "a", "--job", "j"], 2,
+     "no password in the URL"),
+    (["attach", "1", "--cluster", "redis://127.0.0.1:1", "--node", "a b", "--job", "j"], 2,
+     "--node 'a b': use letters"),
+    (["attach", "1", "--cluster", "http://127.0.0.1:1", "--node", "a", "--job", "j"], 2,
+     "give redis://HOST:PORT"),
+    (["controller", "--cluster", "redis://127.0.0.1:1"], 2, "needs --cluster URL and --job"),
+    (["controller", "--cluster", "redis://127.0.0.1:1", "--job", "j"], 1, "cannot be reached"),
+    (["controller", "--cluster", "redis://127.0.0.1:1", "--job", "j", "--cluster-ca", "x.pem"],
+     2, "are for TLS: use rediss://"),
+])
+def test_bad_cluster_arguments_are_one_line(args, code, message):
+    p = subprocess.run([sys.executable, "-m", "greyhound_bpf.cli", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "GREYHOUND_REDIS_PASSWORD": "x"})
+    assert p.returncode == code, p.stderr
+    assert p.stderr.count("\n") == 1 and message in p.stderr, p.stderr

@@ -112,6 +112,10 @@ def agent_setup(args, pids: list[int]) -> AgentSetup | None:
 def add_controller_parser(sub, output_args, positive) -> None:
     import argparse
     c = sub.add_parser("controller", help="the job-wide view over every node's agent",
+                       description="Read every node's agent (attach --cluster) through Redis\n"
+                                   "Streams and run one analysis over all the job's ranks: one\n"
+                                   "job-level detector, cross-node verdicts, one policy whose\n"
+                                   "plans the agents write to their nodes' control files.",
                        epilog=EPILOG_CONTROLLER,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     g = add_connection_args(c, "Redis user (default: controller)")

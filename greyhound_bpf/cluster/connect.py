@@ -101,4 +101,5 @@ def check(r, ep: Endpoint) -> None:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e.__context__, ssl.SSLError) or "SSL" in why or "certificate" in why:
             raise Refused(f"redis at {ep.where}: TLS failed: {why}") from None
-        raise GreyhoundError(f"redis at {ep.where} cannot be reached: {why}") from None
+        raise GreyhoundError(f"redis at {ep.where} cannot be reached: {why}",
+                             exit_code=1) from None
