@@ -67,8 +67,11 @@ def test_a_job_split_over_two_agents_gets_the_local_verdicts(server):
                     agents[n].hello(inp.t_ns, mine, inp.begin_ns)
         elif isinstance(inp, Calls):
             pid_of = {r: p for p, r in local.rank_of().items()}
-            for r, items in sorted(corpus.iterations_by_rank(out).items()):
-                agents[node_of[r]].iterations(inp.t_ns, pid_of[r], items)
+            for n in "ab":
+                mine = {pid_of[r]: items for r, items in corpus.iterations_by_rank(out).items()
+                        if node_of[r] == n}
+                if mine:
+                    agents[n].iterations(inp.t_ns, mine)
         else:
             other.append((inp.t_ns, i, inp))
     msgs = []
@@ -107,7 +110,7 @@ def test_a_restarted_controller_gets_the_pending_again_and_drops_duplicates(serv
     while older := first.read(block_ms=50):         # this module's earlier messages
         first.ack(older)
     a.hello(1, [{"pid": 11, "rank": 0, "world_size": 1}])
-    a.iterations(2, 11, [{k: 1 for k in corpus.ITERATION_FIELDS}])
+    a.iterations(2, {11: [{k: 1 for k in corpus.ITERATION_FIELDS}]})
     taken = first.read(block_ms=200)
     assert [m.kind for m in taken] == ["hello", "iterations"]
     inputs = JobInputs()

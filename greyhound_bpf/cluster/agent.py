@@ -209,13 +209,13 @@ class Agent:
         if self.hello_due:
             self.bus.hello(t, sorted(self.ranks.values(), key=lambda d: d["pid"]))
             self.hello_due = False
-        for pid in sorted(self.pending):
-            items = self.pending[pid]
-            if items:
-                self.bus.iterations(t, pid, items)
-                self.buffered -= len(items)
-                self.published += len(items)
-                self.pending[pid] = []
+        batch = {pid: items for pid, items in sorted(self.pending.items()) if items}
+        if batch:
+            self.bus.iterations(t, batch)
+            n = sum(map(len, batch.values()))
+            self.buffered -= n
+            self.published += n
+            self.pending = {}
         while self.events:
             self.bus.publish("event", self.events[0]["time_ns"], event=self.events[0])
             self.events.pop(0)

@@ -2,8 +2,8 @@
 
 Each node's agent appends to its own stream, `gh:{job}:ev:{node}`, which
 its Redis user alone may write (ACL key pattern): `hello` (its ranks, their
-pids and the agent's incarnation), `iterations` (a few per second: each
-rank's iterations since the last batch), `heartbeat`. Every message has the
+pids and the agent's incarnation), `iterations` (a few per second: the
+node's ranks' iterations since the last batch, one message), `heartbeat`. Every message has the
 agent's `seq`, counted per incarnation, so a message delivered twice (a
 controller that restarted before acknowledging it) is dropped by
 (node, incarnation, seq). Streams are trimmed with `MAXLEN ~`.
@@ -43,8 +43,9 @@ class AgentBus:
         """`ranks`: pid, rank, local_rank, world_size, comm of each local rank."""
         return self.publish("hello", t_ns, ranks=ranks, begin_ns=begin_ns)
 
-    def iterations(self, t_ns: int, pid: int, items: list[dict]) -> str:
-        return self.publish("iterations", t_ns, pid=pid, items=items)
+    def iterations(self, t_ns: int, by_pid: dict[int, list[dict]]) -> str:
+        """The node's ranks' iterations since the last batch: one message."""
+        return self.publish("iterations", t_ns, ranks={str(p): v for p, v in by_pid.items()})
 
     def heartbeat(self, t_ns: int) -> str:
         return self.publish("heartbeat", t_ns)
@@ -186,8 +187,8 @@ class JobInputs:
         if m.kind == "hello":
             return self._hello(m)
         if m.kind == "iterations":
-            return [Iterations(m.t_ns, self.key(m.node, m.data["pid"]),
-                               tuple(m.data.get("items", ())))]
+            return [Iterations(m.t_ns, self.key(m.node, int(pid)), tuple(items))
+                    for pid, items in sorted(m.data.get("ranks", {}).items()) if items]
         if m.kind == "acks":
             self.acks[m.node] = dict(m.data.get("docs") or {})
             return [Acks(m.t_ns, {r: d for docs in self.acks.values() for r, d in docs.items()},
