@@ -228,8 +228,9 @@ class JobAnalysis:
             self.ranks[pid] = _Rank(pid, d.get("rank"), d.get("local_rank"),
                                     d.get("world_size"), d.get("comm", ""))
             self.pipeline.add_rank(pid, d.get("rank"))
-        worlds = {r.world_size for r in self.ranks.values() if r.world_size}
-        if self.policy.world is None and len(worlds) == 1:
+        worlds = {r.world_size for r in self.ranks.values() if r.world_size} \
+            if self.policy.world is None else ()
+        if len(worlds) == 1:
             # --microbatches without a trainer's acks: the world from the ranks.
             self.policy.world = worlds.pop()
         for pid in inp.exited:

@@ -99,6 +99,7 @@ class SkiRentalPolicy:
         self.restart_observed_s: float | None = None
         self.allow_restart, self.validate = allow_restart, validate
         self.ranks: dict[int, _Rank] = {}
+        self._lowest: int | None = None           # min(self.ranks)
         self.announced: dict[int, dict] = {}      # rank -> its last ack document
         self.split: dict[int, int] | None = None  # dp_rank -> micro-batches now in force
         self.planned: dict[int, int] | None = None  # issued, not yet applied by every rank
@@ -296,8 +297,11 @@ class SkiRentalPolicy:
             return []
         rank = int(ev["rank"])
         keep = 4 * self.window
-        r = self.ranks.setdefault(rank, _Rank(deque(maxlen=keep), deque(maxlen=keep),
-                                              deque(maxlen=keep), deque(maxlen=keep)))
+        r = self.ranks.get(rank)
+        if r is None:
+            r = self.ranks[rank] = _Rank(deque(maxlen=keep), deque(maxlen=keep),
+                                         deque(maxlen=keep), deque(maxlen=keep))
+            self._lowest = min(self.ranks)      # (asked for every rank's every iteration)
         split = self._current_split()
         dp = self._dp(rank)
         r.end_ns.append(end)
@@ -305,7 +309,7 @@ class SkiRentalPolicy:
         r.compute_ms.append(ev["compute_ns"] / 1e6)
         r.count.append(split.get(dp) if split else None)
         self._now_ns = max(self._now_ns, end)
-        if rank != min(self.ranks):
+        if rank != self._lowest:
             return []
         # One job iteration per iteration of the lowest rank.
         job_ms = self.job_ms()

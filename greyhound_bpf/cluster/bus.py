@@ -15,6 +15,7 @@ node becomes one analysis key for the whole job.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from ..analysis import Acks, Iterations, Targets
@@ -125,6 +126,7 @@ class ControllerBus:
 
     def read(self, block_ms: int = 1000, count: int = 1000) -> list["Message"]:
         if not self.streams:
+            time.sleep(block_ms / 1000)      # no node yet: nothing to wait on in Redis
             return []
         resp = self.r.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams},
                                  count=count, block=block_ms) or []
@@ -140,8 +142,10 @@ class ControllerBus:
         by: dict[str, list[str]] = {}
         for m in msgs:
             by.setdefault(m.stream, []).append(m.id)
+        pipe = self.r.pipeline(transaction=False)      # one round trip for every stream
         for s, ids in by.items():
-            self.r.xack(s, GROUP, *ids)
+            pipe.xack(s, GROUP, *ids)
+        pipe.execute()
 
 
 def _text(v) -> str:
@@ -167,8 +171,10 @@ class JobInputs:
         self._last: dict[tuple[str, str], int] = {}
 
     def key(self, node: str, pid: int) -> int:
-        k = self.keys.setdefault((node, int(pid)), len(self.keys) + 1)
-        self.node_of[k] = node
+        k = self.keys.get((node, pid))
+        if k is None:
+            k = self.keys[(node, pid)] = len(self.keys) + 1
+            self.node_of[k] = node
         return k
 
     def fresh(self, m: Message) -> bool:
@@ -187,7 +193,7 @@ class JobInputs:
         if m.kind == "hello":
             return self._hello(m)
         if m.kind == "iterations":
-            return [Iterations(m.t_ns, self.key(m.node, int(pid)), tuple(items))
+            return [Iterations(m.t_ns, self.key(m.node, int(pid)), items)
                     for pid, items in sorted(m.data.get("ranks", {}).items()) if items]
         if m.kind == "acks":
             self.acks[m.node] = dict(m.data.get("docs") or {})
@@ -196,8 +202,8 @@ class JobInputs:
         return []
 
     def _hello(self, m: Message) -> list:
-        now = {self.key(m.node, r["pid"]): {**r, "pid": self.key(m.node, r["pid"]),
-                                              "node": m.node}
+        now = {self.key(m.node, int(r["pid"])): {**r, "pid": self.key(m.node, int(r["pid"])),
+                                                   "node": m.node}
                for r in m.data.get("ranks", ())}
         before = self.present.get(m.node, {})
         again = self.incarnation.get(m.node) != m.incarnation

@@ -169,6 +169,9 @@ def cmd_controller(args, json_target) -> int:
             nodes = f" [node {', '.join(ev['nodes'])}]" if ev.get("nodes") else ""
             print(line + nodes, file=text, flush=True)
 
+    config = AnalysisConfig(validate=False, mitigate=args.mitigate,
+                            microbatches=args.microbatches, restart_estimate_s=args.restart_cost)
+    analysis = JobAnalysis(load_catalog(), job, config)    # (seconds of imports: before leading)
     holder = f"{socket.gethostname()}-{os.getpid()}"
     lease = Lease(r, job, holder)
     stop = time.monotonic() + args.duration if args.duration else None
@@ -182,16 +185,19 @@ def cmd_controller(args, json_target) -> int:
             if stop and time.monotonic() >= stop:
                 return 0
             time.sleep(LEASE_MS / 3000)
-        config = AnalysisConfig(validate=False, mitigate=args.mitigate,
-                                microbatches=args.microbatches,
-                                restart_estimate_s=args.restart_cost)
-        ctl = Controller(r, job, JobAnalysis(load_catalog(), job, config), out, say,
-                         nodes=nodes, consumer=holder, epoch=lease.epoch,
-                         mitigate=args.mitigate)
+        renew = [time.monotonic() + LEASE_MS / 3000]
+
+        def keepalive():
+            if time.monotonic() >= renew[0]:
+                if not lease.renew():
+                    raise GreyhoundError(f"lost the lead of job {job} (epoch {lease.epoch}): "
+                                         "another controller leads now")
+                renew[0] = time.monotonic() + LEASE_MS / 3000
+        ctl = Controller(r, job, analysis, out, say, nodes=nodes, consumer=holder,
+                         epoch=lease.epoch, mitigate=args.mitigate, keepalive=keepalive)
         n = ctl.start()
         say(f"leading job {job} (epoch {lease.epoch}) on {ep.where}"
             + (f": rebuilt from {n} message(s) already delivered" if n else ""))
-        renew = time.monotonic() + LEASE_MS / 3000
         import redis
         away = None
         while not (stop and time.monotonic() >= stop):
@@ -208,11 +214,7 @@ def cmd_controller(args, json_target) -> int:
                 continue
             if writer:
                 writer.flush()
-            if time.monotonic() >= renew:
-                if not lease.renew():
-                    raise GreyhoundError(f"lost the lead of job {job} (epoch {lease.epoch}): "
-                                         "another controller leads now")
-                renew = time.monotonic() + LEASE_MS / 3000
+            keepalive()
     except KeyboardInterrupt:
         pass
     finally:

@@ -39,6 +39,8 @@ TICK_S = 1.0
 DISCOVER_S = 2.0
 LEASE_MS = 6000
 CMD_MAXLEN = 10_000
+KEEPALIVE_S = 1.0
+READ_COUNT = 2000               # messages per read, over all streams: a turn stays short
 
 
 class Lease:
@@ -81,21 +83,26 @@ class NodeState:
 class Controller:
     def __init__(self, r, job: str, analysis: JobAnalysis, out, say, *, nodes=(),
                  consumer: str = "controller-1", epoch: int = 0, mitigate: bool = False,
-                 now_ns=time.time_ns):
+                 now_ns=time.time_ns, keepalive=None):
         self.r, self.job, self.analysis, self.out, self.say = r, job, analysis, out, say
         self.bus = ControllerBus(r, job, list(nodes), consumer)
         self.inputs = JobInputs()
         self.nodes: dict[str, NodeState] = {}
         self.epoch, self.mitigate, self.now_ns = epoch, mitigate, now_ns
+        # Called at least every KEEPALIVE_S while the controller works (the
+        # lease is renewed through it while a long rebuild or backlog runs).
+        self.keepalive, self._kept = keepalive, time.monotonic()
         self.cmd = commands_stream(job)
         self.held: list = []                 # (t_ns, order, received, input)
         self.data_t: dict[str, int] = {}     # node -> the latest data time it sent
         self._order = 0
         self.muted = False
         self.census_said = None
+        self.census_due = False
+        self._where: dict | None = None      # rank -> node, from the hellos
         self.plans = 0
         self.write_failed = False
-        self._next_tick = self._next_discover = 0.0
+        self._next_tick = self._next_discover = self._last_turn = 0.0
 
     # -- start: rebuild from what was delivered -----------------------------------------
 
@@ -108,6 +115,8 @@ class Controller:
         try:
             self._take(old)
             self._release(float("inf"))
+            if self.census_due:
+                self._census(self.now_ns())
         finally:
             self.muted = False
         last = self.r.xrevrange(self.cmd, count=1)
@@ -120,29 +129,44 @@ class Controller:
 
     def step(self, block_ms: int = 250) -> None:
         now = time.monotonic()
+        busy = now - self._last_turn - block_ms / 1000
+        if self._last_turn and busy > 0.5:
+            # The controller itself was busy (a thousand hellos): the agents
+            # were not silent for that long, it was not listening.
+            for st in self.nodes.values():
+                st.seen += busy
+        self._last_turn = now
         if now >= self._next_discover:
             for n in self.bus.discover():
                 self.say(f"reading node {n}'s stream")
             self._next_discover = now + DISCOVER_S
-        msgs = self.bus.read(block_ms=block_ms)
+        msgs = self.bus.read(block_ms=block_ms,
+                             count=max(1, READ_COUNT // max(1, len(self.bus.streams))))
         self._take(msgs)
         self.bus.ack(msgs)
         self._release(time.monotonic() - HOLD_S)
         now = time.monotonic()
         self._check_lost(now)
         if now >= self._next_tick:
+            # (the census once a second at most: a thousand nodes say hello
+            # within a second or two)
+            if self.census_due:
+                self._census(self.now_ns())
             self._feed(Tick(self.now_ns()))
             self._next_tick = now + TICK_S
 
     def _take(self, msgs: list[Message]) -> None:
         for m in sorted(msgs, key=lambda m: (m.t_ns, m.node, m.seq)):
+            if self.keepalive is not None and time.monotonic() - self._kept >= KEEPALIVE_S:
+                self.keepalive()
+                self._kept = time.monotonic()
             self._seen(m)
             if not self.inputs.fresh(m):
                 continue                         # delivered twice: taken already
             for inp in self.inputs.convert(m):
                 self._hold(inp)
             if m.kind == "hello":
-                self._census(m.t_ns)
+                self.census_due, self._where = True, None
             elif m.kind == "event":
                 self._emit("node_event", m.t_ns, node=m.node, event=m.data.get("event"))
             elif m.kind == "gap":
@@ -156,11 +180,13 @@ class Controller:
 
     def _hold(self, inp) -> None:
         if isinstance(inp, Iterations):
-            node = self.inputs.node_of.get(inp.key)
+            node, now = self.inputs.node_of.get(inp.key), time.monotonic()
+            end = 0
             for d in inp.items:          # one by one, in the order of their ends
-                end = int(d["start_ns"]) + int(d["dur_ns"])
-                self._push(end, Iterations(end, inp.key, (d,)))
-                self.data_t[node] = max(self.data_t.get(node, 0), end)
+                end = d["start_ns"] + d["dur_ns"]
+                self._order += 1
+                heapq.heappush(self.held, (end, self._order, now, Iterations(end, inp.key, (d,))))
+            self.data_t[node] = max(self.data_t.get(node, 0), end)
         elif isinstance(inp, Targets) and inp.added:
             self._push(0, inp)               # before any iteration of its ranks
         else:
@@ -177,6 +203,9 @@ class Controller:
             self._feed(heapq.heappop(self.held)[3])
 
     def _feed(self, inp) -> None:
+        if self.keepalive is not None and time.monotonic() - self._kept >= KEEPALIVE_S:
+            self.keepalive()
+            self._kept = time.monotonic()
         for ev in self.analysis.feed(inp):
             self._route(ev)
 
@@ -194,10 +223,10 @@ class Controller:
             # Back, the same agent (stopped, or cut off from redis a while).
             st.lost = False
             self._emit("agent", m.t_ns, node=m.node, agent=m.incarnation, rejoined=True,
-                       silent_s=round(silent, 1))
+                       silent_s=round(max(silent, 0.0), 1))
             for inp in self.inputs.revive(m.node, m.t_ns):
                 self._hold(inp)
-            self._census(m.t_ns)
+            self.census_due, self._where = True, None
             self._plans_allowed()
 
     def _check_lost(self, now: float) -> None:
@@ -216,7 +245,7 @@ class Controller:
         # Its ranks leave after the last of their iterations that arrived.
         for inp in self.inputs.lose(node, self.data_t.get(node, t_ns)):
             self._hold(inp)
-        self._census(t_ns)
+        self.census_due, self._where = True, None
         self._plans_allowed()
 
     def _plans_allowed(self) -> None:
@@ -227,6 +256,7 @@ class Controller:
             self.analysis.mode = "advise" if away else "mitigate"
 
     def _census(self, t_ns: int) -> None:
+        self.census_due = False
         c = census(self.inputs.hellos())
         said = (c.complete, tuple(c.problems()))
         if said == self.census_said or c.world is None:
@@ -238,10 +268,10 @@ class Controller:
     # -- events out ---------------------------------------------------------------------
 
     def node_of_rank(self, rank) -> str | None:
-        for node, ranks in self.inputs.present.items():
-            if any(d.get("rank") == rank for d in ranks.values()):
-                return node
-        return None
+        if self._where is None:
+            self._where = {d.get("rank"): node for node, ranks in self.inputs.present.items()
+                           for d in ranks.values()}
+        return self._where.get(rank)
 
     def _emit(self, kind: str, t_ns: int, **fields) -> None:
         if not self.muted:

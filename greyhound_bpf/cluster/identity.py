@@ -78,12 +78,25 @@ class Census:
         if len(self.worlds) > 1:
             out.append(f"ranks disagree on the world size: {sorted(self.worlds)}")
         if self.missing:
-            out.append(f"no node announced rank(s) {self.missing}")
+            out.append(f"no node announced {len(self.missing)} rank(s): "
+                       f"{spans(self.missing)}")
         for r, nodes in sorted(self.twice.items()):
             out.append(f"rank {r} announced {len(nodes)} times (nodes {', '.join(nodes)})")
         if self.outside:
             out.append(f"rank(s) {self.outside} outside a world of {self.world}")
         return out
+
+
+def spans(ranks: list[int], most: int = 8) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (the first `most` spans, then how many more)."""
+    out: list[list[int]] = []
+    for r in sorted(ranks):
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out[:most])
+    return text + (f" and {len(out) - most} more span(s)" if len(out) > most else "")
 
 
 def census(hellos: dict[str, list[dict]]) -> Census:

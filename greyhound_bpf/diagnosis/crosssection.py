@@ -79,15 +79,19 @@ class CrossSection:
         self._quiet = 0                              # looks in a row without a suspect
         self.named: int | None = None                # the straggler last named
         self.last: dict | None = None                # the numbers of the last look
+        self._lowest: int | None = None              # min(self.rows)
 
     def observe(self, ev: dict) -> list[Diagnosis]:
         if not is_speed_sample(ev):
             return []
         rank = int(ev["rank"])
-        q = self.rows.setdefault(rank, deque(maxlen=4 * self.window))
+        q = self.rows.get(rank)
+        if q is None:
+            q = self.rows[rank] = deque(maxlen=4 * self.window)
+            self._lowest = min(self.rows)       # (asked for every rank's every iteration)
         q.append((ev["start_ns"], ev["start_ns"] + ev["dur_ns"], ev["dur_ns"] / 1e6,
                   ev["compute_ns"] / 1e6, ev["comm_ns"] / 1e6))
-        if rank != min(self.rows):
+        if rank != self._lowest:
             return []
         self._since_look += 1
         lead = self.rows[rank]
@@ -107,7 +111,7 @@ class CrossSection:
         return max(min(self.window, MIN_WINDOW), min(self.window, n))
 
     def _look(self, ev: dict, n: int) -> list[Diagnosis]:
-        lead = self.rows[min(self.rows)]
+        lead = self.rows[self._lowest]
         lo, hi = lead[-n][0], lead[-1][1]
         win = {r: [x for x in q if x[0] >= lo and x[1] <= hi + (hi - lo) // n]
                for r, q in self.rows.items()}

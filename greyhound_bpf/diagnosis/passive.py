@@ -70,6 +70,9 @@ FLAT = 0.25       # "did not grow": by less than this x the slowdown
 # wait longer: a healthy 4-rank job on a 2-core VM saw 1.6-1.73x for seconds
 # (CI, 2026-11-22), a 400mbit tbf on one rank's link 2.25-2.73x.
 COMM_RATIO = 2.0
+# Looks at an undecided slowdown per job iteration, at most (each looks at
+# every rank): every sample up to 15 ranks, 8 times an iteration above.
+TRIES_PER_ITERATION = 8
 
 
 @dataclass
@@ -100,6 +103,7 @@ class PassiveDiagnoser:
         self.until_ns: int | None = None       # the slow level's end, once recovered
         self.steps: list[dict] = []            # further job slowdown steps, not yet judged
         self.done = False
+        self._samples = 0
 
     def observe(self, ev: dict) -> list[Diagnosis]:
         """Returns the verdicts (`diagnosis` events) to emit."""
@@ -110,7 +114,13 @@ class PassiveDiagnoser:
             s.rows.append((ev["start_ns"], ev["dur_ns"] / 1e6, ev["compute_ns"] / 1e6,
                            ev["comm_ns"] / 1e6))
             if self.slowdown is not None and not self.done:
-                return self._try()
+                # A try looks at every rank: with thousands of ranks, at most
+                # TRIES_PER_ITERATION times per job iteration (every sample
+                # up to 15 ranks).
+                self._samples += 1
+                if self._samples >= len(self.ranks) // TRIES_PER_ITERATION:
+                    self._samples = 0
+                    return self._try()
             return []
         if kind == "slowdown" and ev.get("scope") == "job":
             if self.slowdown is not None and not self.done and self.until_ns is None:

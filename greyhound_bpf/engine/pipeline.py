@@ -57,6 +57,11 @@ class RankState:
     fed: FedLog = field(default_factory=FedLog)  # (iteration index, start_ns) per detector input
 
 
+def _order(r: RankState) -> tuple:
+    """Who leads: the lowest rank (processes without one last)."""
+    return (r.rank is None, r.rank or 0, r.key)
+
+
 class JobPipeline:
     def __init__(self, catalog: Catalog, *, threshold: float = SLOWDOWN_THRESHOLD,
                  min_probability: float = MIN_PROBABILITY, estimator_args: dict | None = None,
@@ -69,6 +74,7 @@ class JobPipeline:
         self.job_detector = SlowdownDetector(scope="job", threshold=threshold,
                                              min_probability=min_probability)
         self._job_fed = FedLog()                    # leader's (index, start_ns) per job input
+        self._lead: RankState | None = None         # cached _leader()
         # Greyhound's own activity: iterations overlapping it are reported
         # but not fed to the detectors (our load is no slowdown of the job's).
         self.activity = activity if activity is not None else ActivityLog()
@@ -98,6 +104,8 @@ class JobPipeline:
         in the job's median again only once it reports a new iteration."""
         if key in self.ranks:
             self.ranks[key].last = None
+            if self._lead is self.ranks[key]:
+                self._lead = None            # choose again among the others
 
     # -- input ---------------------------------------------------------------------
 
@@ -169,6 +177,8 @@ class JobPipeline:
                 f[legacy] = True
             return [("iteration", f, item.start_ns + item.dur_ns)]
         out = [("iteration", f, item.start_ns + item.dur_ns)]
+        if rs.last is None and self._lead is not None and _order(rs) < _order(self._lead):
+            self._lead = rs                  # a lower rank reports: it leads
         rs.last = item
         rs.fed.append((item.index, item.start_ns))
         cp = rs.detector.update(item.dur_ns / 1e6)
@@ -179,10 +189,13 @@ class JobPipeline:
     # -- job level ------------------------------------------------------------------
 
     def _leader(self) -> RankState | None:
-        locked = [r for r in self.ranks.values() if r.last is not None]
-        if not locked:
-            return None
-        return min(locked, key=lambda r: (r.rank is None, r.rank or 0, r.key))
+        """The lowest rank with an iteration (chosen again only when a rank
+        starts or stops reporting: a job of thousands of ranks asks this for
+        every iteration of every rank)."""
+        if self._lead is None:
+            self._lead = min((r for r in self.ranks.values() if r.last is not None),
+                             key=_order, default=None)
+        return self._lead
 
     def _job_step(self, rs: RankState, item: IterationRecord) -> list:
         if self._leader() is not rs:
