@@ -322,6 +322,8 @@ class AttachSession:
                 self._note_other_greyhounds()
                 next_scan = now + SCAN_INTERVAL_S
             self._collect_validation()
+            for ev in self.agent.take_requests() if self.agent else ():
+                self._start_validation(ev)         # the job's controller asks
             if now >= next_tick:
                 self.feed(Tick(self.now_ns()))
                 next_tick = now + TICK_S
@@ -488,6 +490,8 @@ class AttachSession:
             elif what == "result":
                 request_id, res = doc
                 self.feed(Validated(self.now_ns(), request_id, res.to_dict()))
+                if self.agent:
+                    self.agent.validated(request_id, res.to_dict())
 
     def _stop_validation(self) -> None:
         if self.validator is not None:

@@ -258,7 +258,8 @@ def test_a_standby_takes_over_from_a_killed_leader_with_no_duplicate_plan(bed, f
         p = subprocess.Popen(
             [sys.executable, "-m", "greyhound_bpf.cli", "controller", "--cluster", bed.url,
              "--job", JOB, "--cluster-secret", str(bed.secret_file("controller")),
-             "--mitigate", "--microbatches", "16", "-o", str(tmp_path / f"{name}.jsonl")],
+             "--mitigate", "--microbatches", "16", "--no-validate",    # (replays: no workers)
+             "-o", str(tmp_path / f"{name}.jsonl")],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
         fresh.append(p)
         return p, out

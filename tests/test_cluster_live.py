@@ -8,8 +8,10 @@ bridge's address, with TLS (a CA made here) and one ACL user each.
 One run, no retries:
 - healthy: every rank announced once, nothing named, nothing planned;
 - a CPU quota on a rank of node n1: the controller names that rank, its
-  cause and its node, and its plan is written to both nodes' control files
-  and applied by all four ranks at one step, the global batch kept;
+  cause and its node; asked by the controller, each node's agent measures
+  its own devices, and the merged measurements name the same; the plan is
+  written to both nodes' control files and applied by all four ranks at one
+  step, the global batch kept;
 - `kill -9` of node n0's agent: `agent_lost` with its ranks, no verdict on
   them; a new agent there rejoins and the census is whole again.
 """
@@ -112,11 +114,20 @@ def _run(tmp_path, bed, redis, tracer):
     slow = min(ranks[1])
     with CpuQuota(ranks[1][slow], max(0.02, cpu_share(ranks[1][slow], 3) / 3)):
         start = time.time_ns()
-        named = wait_for(lambda: [e for e in kind("diagnosis") if e["time_ns"] > start
-                                  and e["cause"] != "unknown"], 60, "the controller's verdict",
+        def verdict(evidence):
+            return [e for e in kind("diagnosis") if e["time_ns"] > start
+                    and e["cause"] != "unknown" and e["evidence"] == evidence]
+        named = wait_for(lambda: verdict("passive"), 60, "the controller's verdict",
                          interval=0.5, why=story)[0]
         assert (named["cause"], named["ranks"], named["nodes"]) == \
             ("computation", [slow], ["n1"]), story()
+        # Validated: each node's agent measured its own devices.
+        measured = wait_for(lambda: verdict("validation"), 90, "the nodes' measurements",
+                            interval=0.5, why=story)[0]
+        assert (measured["cause"], measured["ranks"], measured["nodes"]) == \
+            ("computation", [slow], ["n1"]), story()
+        assert sorted(measured["details"]["devices"]) == ["0", "1", "2", "3"], measured
+        assert measured["details"]["paused_s"] <= 5
         applied = wait_for(lambda: kind("applied"), 90, "a plan applied by every rank",
                            interval=0.5, why=story)[0]
     assert applied["ranks"] == [0, 1, 2, 3], story()

@@ -39,7 +39,7 @@ ACKS_S = 0.5
 RETRY_S = 2.0
 MAX_BUFFERED = 50_000          # iterations held while Redis is away (minutes of a node)
 FORWARDED = frozenset({"slowdown", "recovery", "diagnosis", "validation", "lost", "exit",
-                       "topology", "unprobed_site"})
+                       "topology", "unprobed_site", "activity"})
 
 
 def _netns(pid: int) -> str | None:
@@ -82,6 +82,7 @@ class Agent:
             else:
                 self.control = ControlWriter(control_file)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()   # validations to run here
         self.ranks: dict[int, dict] = {}            # pid -> hello entry
         self.pending: dict[int, list[dict]] = {}    # pid -> iterations not yet published
         self.buffered = 0
@@ -104,6 +105,20 @@ class Agent:
     def sink(self, ev: dict) -> None:
         if ev["kind"] in ("attach", "iteration") or ev["kind"] in FORWARDED:
             self.q.put(ev)
+
+    def take_requests(self) -> list[dict]:
+        """The controller's validation requests for this node (the attach
+        loop runs them as its own, on the node's ranks)."""
+        out = []
+        while True:
+            try:
+                out.append(self.requests.get_nowait())
+            except queue.Empty:
+                return out
+
+    def validated(self, request: int, result: dict) -> None:
+        """A request's measurements, for the controller."""
+        self.q.put({"kind": "validated", "request": request, "result": result})
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -177,6 +192,8 @@ class Agent:
                     self.hello_due = True
             elif kind == "iteration":
                 self._buffer(ev)
+            elif kind == "validated":
+                self.events.append(ev)
             else:
                 if kind == "exit" and self.ranks.pop(int(ev.get("pid", -1)), None):
                     self.hello_due = True
@@ -217,7 +234,14 @@ class Agent:
             self.published += n
             self.pending = {}
         while self.events:
-            self.bus.publish("event", self.events[0]["time_ns"], event=self.events[0])
+            ev = self.events[0]
+            if ev["kind"] == "validated":
+                self.bus.publish("validated", t, request=ev["request"], result=ev["result"])
+            elif ev["kind"] == "activity":
+                self.bus.publish("activity", ev["time_ns"], **{k: ev[k] for k in (
+                    "id", "what", "start_ns", "end_ns")})
+            else:
+                self.bus.publish("event", ev["time_ns"], event=ev)
             self.events.pop(0)
 
     def _acks(self) -> None:
@@ -260,6 +284,8 @@ class Agent:
         self.epoch = epoch
         if f.get("kind") == "plan":
             self._plan(data)
+        elif f.get("kind") == "validate":
+            self._validate(data)
 
     def _plan(self, d: dict) -> None:
         seq, strategy = int(d["seq"]), d["strategy"]
@@ -280,3 +306,18 @@ class Agent:
             return
         self.say(f"controller's plan {seq} ({strategy}) written to {self.control.path}")
         self.bus.publish("plan_written", self.now_ns(), seq=seq, error=None)
+
+    def _validate(self, d: dict) -> None:
+        """The part of a request measurable here: this node's devices, and
+        the edges with both ends on it (nothing here: an empty answer, so
+        that the controller does not wait)."""
+        mine = {r["rank"] for r in self.ranks.values() if r.get("rank") is not None}
+        devices = [r for r in d.get("devices", []) if r in mine]
+        edges = [e for e in d.get("edges", []) if e[0] in mine and e[1] in mine]
+        if not devices and not edges:
+            self.validated(int(d["id"]), {})
+            return
+        self.say(f"the controller asks this node to validate {len(devices)} device(s) and "
+                 f"{len(edges)} link(s) (request {d['id']})")
+        self.requests.put({"id": int(d["id"]), "ranks": sorted(mine), "devices": devices,
+                           "edges": edges, "reason": d.get("reason", "the controller asks")})

@@ -79,7 +79,9 @@ class AgentSetup:
 
     def start(self, session):
         """The agent of an attach session: its events go to Redis."""
+        from ..diagnosis.host import set_node
         from .agent import Agent
+        set_node(self.node)          # this node's validation lock and state
         agent = Agent(self.endpoint, self.job, self.node, session.opts.control_file,
                       say=session.say)
         session.sinks.append(agent.sink)
@@ -127,6 +129,9 @@ def add_controller_parser(sub, output_args, positive) -> None:
     c.add_argument("--iterations", action="store_true",
                    help="also write every rank's iterations to the JSON lines")
     c.add_argument("--duration", type=positive, metavar="S", help="stop after S seconds")
+    c.add_argument("--no-validate", action="store_true",
+                   help="never ask the agents to measure devices and links (verdicts are "
+                        "then passive only)")
     c.add_argument("--mitigate", action="store_true",
                    help="publish plans for the agents to write to their control files "
                         "(else advise only)")
@@ -169,7 +174,7 @@ def cmd_controller(args, json_target) -> int:
             nodes = f" [node {', '.join(ev['nodes'])}]" if ev.get("nodes") else ""
             print(line + nodes, file=text, flush=True)
 
-    config = AnalysisConfig(validate=False, mitigate=args.mitigate,
+    config = AnalysisConfig(validate=not args.no_validate, mitigate=args.mitigate,
                             microbatches=args.microbatches, restart_estimate_s=args.restart_cost)
     analysis = JobAnalysis(load_catalog(), job, config)    # (seconds of imports: before leading)
     holder = f"{socket.gethostname()}-{os.getpid()}"

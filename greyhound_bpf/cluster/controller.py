@@ -27,7 +27,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from ..analysis import Iterations, JobAnalysis, PlanWritten, Targets, Tick
+from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, Tick, Validated
 from ..events import make_event
 from .agent import HEARTBEAT_S
 from .bus import ControllerBus, JobInputs, Message
@@ -40,6 +40,7 @@ DISCOVER_S = 2.0
 LEASE_MS = 6000
 CMD_MAXLEN = 10_000
 KEEPALIVE_S = 1.0
+VALIDATE_WAIT_S = 90.0          # for every node's answer (workers start, the job pauses)
 READ_COUNT = 2000               # messages per read, over all streams: a turn stays short
 
 
@@ -100,6 +101,7 @@ class Controller:
         self.census_said = None
         self.census_due = False
         self._where: dict | None = None      # rank -> node, from the hellos
+        self.validations: dict[int, dict] = {}   # request -> nodes asked, their answers
         self.plans = 0
         self.write_failed = False
         self._next_tick = self._next_discover = self._last_turn = 0.0
@@ -114,6 +116,8 @@ class Controller:
         self.muted = True
         try:
             self._take(old)
+            self._release(float("inf"))
+            self._validations_done(float("-inf"))    # those answered in full
             self._release(float("inf"))
             if self.census_due:
                 self._census(self.now_ns())
@@ -147,6 +151,7 @@ class Controller:
         self._release(time.monotonic() - HOLD_S)
         now = time.monotonic()
         self._check_lost(now)
+        self._validations_done(now)
         if now >= self._next_tick:
             # (the census once a second at most: a thousand nodes say hello
             # within a second or two)
@@ -177,6 +182,14 @@ class Controller:
                                        f"node {m.node}: {m.data['error']}"))
             elif m.kind == "heartbeat" and m.data.get("stopping"):
                 self._lose(m.node, m.t_ns, "agent_left")
+            elif m.kind == "activity":
+                d = m.data            # a node's validation pauses the whole job
+                self._hold(Activity(m.t_ns, f"{m.node}:{d['id']}", d["what"], d["start_ns"],
+                                    d.get("end_ns")))
+            elif m.kind == "validated":
+                v = self.validations.get(int(m.data["request"]))
+                if v is not None:
+                    v["results"][m.node] = m.data.get("result") or {}
 
     def _hold(self, inp) -> None:
         if isinstance(inp, Iterations):
@@ -283,6 +296,8 @@ class Controller:
         nodes = sorted({n for n in map(self.node_of_rank, ranks) if n})
         if nodes:
             ev["nodes"] = nodes
+        if ev["kind"] == "validation" and ev.get("phase") == "request":
+            self._validate(ev)
         if self.muted:
             return
         self.out(ev)
@@ -292,6 +307,53 @@ class Controller:
                                        "seq", "strategy", "plan", "reason")})},
                         maxlen=CMD_MAXLEN, approximate=True)
             self.plans += 1
+
+    # -- validation: each node measures its own part -------------------------------------
+
+    def _validate(self, ev: dict) -> None:
+        """Ask the agents; each measures its node's devices and the edges
+        inside it. An edge between two nodes is not measured (yet): said so
+        in the result's `untested`."""
+        devices, edges = ev.get("devices") or [], ev.get("edges") or []
+        node = self.node_of_rank
+        asked = {node(r) for r in devices} | {node(a) for a, b in edges if node(a) == node(b)}
+        asked = {n for n in asked if n and not self.nodes.get(n, NodeState("", 0)).lost}
+        across = [f"{a}<->{b}: between nodes {node(a)} and {node(b)}, not measured"
+                  for a, b in edges if node(a) != node(b)]
+        self.validations[int(ev["id"])] = {"asked": asked, "results": {}, "across": across,
+                                           "until": time.monotonic() + VALIDATE_WAIT_S}
+        if not self.muted:
+            self.r.xadd(self.cmd, {"kind": "validate", "epoch": self.epoch, "t": ev["time_ns"],
+                                   "data": json.dumps({k: ev.get(k) for k in (
+                                       "id", "devices", "edges", "reason")})},
+                        maxlen=CMD_MAXLEN, approximate=True)
+
+    def _validations_done(self, now: float) -> None:
+        for rid, v in list(self.validations.items()):
+            if v["asked"] <= set(v["results"]) or now >= v["until"]:
+                del self.validations[rid]
+                silent = sorted(v["asked"] - set(v["results"]))
+                self._hold(Validated(self.now_ns(), rid, merge_results(
+                    v["results"], v["across"] + [f"node {n}: no answer in {VALIDATE_WAIT_S:.0f} s"
+                                                 for n in silent])))
+
+
+def merge_results(by_node: dict[str, dict], untested: list[str]) -> dict:
+    """The nodes' measurements (diagnosis.rules.Result dicts) as one."""
+    out = {"devices": {}, "links": {}, "rounds": [], "untested": list(untested),
+           "paused_s": 0.0, "pauses": 0, "seconds": 0.0, "measured_at_ns": None}
+    for node in sorted(by_node):
+        r = by_node[node]
+        out["devices"].update(r.get("devices", {}))
+        out["links"].update(r.get("links", {}))
+        out["rounds"] += r.get("rounds", [])
+        out["untested"] += [f"node {node}: {u}" for u in r.get("untested", [])]
+        for k in ("paused_s", "pauses", "seconds"):
+            out[k] = max(out[k], r.get(k, 0))
+        at = r.get("measured_at_ns")
+        if at is not None:
+            out["measured_at_ns"] = min(at, out["measured_at_ns"] or at)
+    return out
 
 
 def _field(raw: dict, name: str) -> str:

@@ -66,6 +66,15 @@ def member_of(pid: int, rank: int, local_rank: int | None, gpus: int) -> Member:
     return Member(rank, pid, device, netns, cgroups_of(pid), affinity, passed, placement)
 
 
+def netns_id(netns: str | None) -> str:
+    """Which network namespace a Member's `netns` is (`/proc/PID/ns/net`
+    names the same one for many PIDs; None: ours)."""
+    try:
+        return os.readlink(netns) if netns else "ours"
+    except OSError:
+        return str(netns)
+
+
 def describe_rank(t, gpus: list[Gpu]) -> dict:
     """A target's description for the `attach` event, with, where there are
     GPUs, the one it uses (`gpu`, a UUID or null) and how that was found."""
@@ -157,6 +166,23 @@ class Pause:
             self.watchdog.wait()
 
 
+# Per-host state (the validation lock, who is validating) lives under
+# /run/greyhound; a cluster agent keys it by its node (set_node), so that
+# nodes sharing a kernel (network namespaces on one machine) are nodes.
+_NODE: str | None = None
+
+
+def set_node(node: str | None) -> None:
+    global _NODE
+    _NODE = node
+
+
+def state_dir() -> Path:
+    base = Path("/run/greyhound") if os.geteuid() == 0 else \
+        Path(tempfile.gettempdir()) / f"greyhound-{os.geteuid()}"
+    return base / "nodes" / _NODE if _NODE else base
+
+
 class MeasureLock:
     """One validation measures at a time on a machine: two would pause the
     job on top of each other and measure each other's load. A file lock,
@@ -165,9 +191,7 @@ class MeasureLock:
     def __init__(self, timeout_s: float = 30.0):
         self.timeout_s = timeout_s
         self.fh = None
-        base = Path("/run/greyhound") if os.geteuid() == 0 else Path(tempfile.gettempdir())
-        self.path = base / ("validate.lock" if os.geteuid() == 0
-                            else f"greyhound-validate-{os.geteuid()}.lock")
+        self.path = state_dir() / "validate.lock"
 
     def __enter__(self) -> bool:
         try:
@@ -203,9 +227,7 @@ class Busy:
 
     @staticmethod
     def directory() -> Path:
-        if os.geteuid() == 0:
-            return Path("/run/greyhound/validating")
-        return Path(tempfile.gettempdir()) / f"greyhound-validating-{os.geteuid()}"
+        return state_dir() / "validating"
 
     def __enter__(self) -> "Busy":
         try:

@@ -39,7 +39,7 @@ from .. import GreyhoundError
 from ..probe.discovery import read_stat
 from .gpus import nvml_gpus, wait_drained
 from .cpu import IdleGroup
-from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of
+from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of, netns_id
 from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
 
@@ -240,7 +240,11 @@ class Validator:
             res.untested.append(f"rank {first}: {e}")
             self.workers.pop(first).kill()
             return []
-        addr = self.members[0].env.get("MASTER_ADDR", "127.0.0.1")
+        # One network namespace (a node's ranks): the store is on its
+        # loopback (a multi-node job's MASTER_ADDR is another node). Ranks in
+        # namespaces of their own: the job's MASTER_ADDR, the first rank's.
+        one_ns = len({netns_id(m.netns) for m in self.members}) == 1
+        addr = "127.0.0.1" if one_ns else self.members[0].env.get("MASTER_ADDR", "127.0.0.1")
         ready = []
         for r, w in self.workers.items():
             try:
