@@ -41,6 +41,9 @@ SETTLE_S = 2.0
 # passive method) in the same episode (no job recovery since) is not said
 # again. Validation verdicts answer a request: always said.
 SAME_VERDICT_S = 60.0
+# Events that carry the `episode` they belong to.
+EPISODE_KINDS = frozenset({"slowdown", "recovery", "diagnosis", "validation", "action",
+                           "applied"})
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -181,6 +184,9 @@ class JobAnalysis:
         self.diagnoses: list[Diagnosis] = []        # every verdict, in order
         self.recovered_ns = 0                        # the job's last recovery
         self.requests: dict[int, dict] = {}         # validation requests, by id
+        self.episode: int | None = None              # open episode (events' `episode`)
+        self.episodes = 0
+        self._request_episode: dict = {}
 
     # -- the one entry point ---------------------------------------------------------
 
@@ -220,7 +226,31 @@ class JobAnalysis:
     # -- inputs ---------------------------------------------------------------------
 
     def _event(self, kind: str, t_ns: int, **fields) -> dict:
+        if kind in EPISODE_KINDS:
+            fields["episode"] = self._episode(kind, fields)
         return make_event(kind, self.job, t_ns, **fields)
+
+    def _episode(self, kind: str, f: dict) -> int | None:
+        """The episode an event belongs to: one opens with a job slowdown
+        or a named verdict and closes with the job's recovery; a validation's
+        verdict belongs to its request's, and a plan to the latest."""
+        job = f.get("scope") == "job"
+        if kind == "diagnosis" and f.get("evidence") == "validation":
+            req = (f.get("details") or {}).get("request")
+            if req in self._request_episode:
+                return self._request_episode.pop(req)
+        if self.episode is None and (kind == "slowdown" and job or
+                                     kind == "diagnosis" and f.get("cause") != "unknown"):
+            self.episodes += 1
+            self.episode = self.episodes
+        ep = self.episode
+        if kind == "recovery" and job:
+            self.episode = None
+        if kind == "validation" and f.get("phase") == "request":
+            self._request_episode[f.get("id")] = ep
+        if ep is None and kind in ("action", "applied"):
+            return self.episodes or None
+        return ep
 
     def _targets(self, inp: Targets) -> list[dict]:
         for d in inp.added:

@@ -85,6 +85,8 @@ class AgentSetup:
         agent = Agent(self.endpoint, self.job, self.node, session.opts.control_file,
                       say=session.say)
         session.sinks.append(agent.sink)
+        if session.writer:
+            session.writer.stamp = {"node": self.node, "agent": agent.incarnation}
         session.say(f"agent of node {self.node} for job {self.job}: publishing to "
                     f"{self.endpoint.where}")
         return agent
@@ -200,6 +202,8 @@ def cmd_controller(args, json_target) -> int:
                 renew[0] = time.monotonic() + LEASE_MS / 3000
         ctl = Controller(r, job, analysis, out, say, nodes=nodes, consumer=holder,
                          epoch=lease.epoch, mitigate=args.mitigate, keepalive=keepalive)
+        if writer:
+            writer.stamp = {"producer": f"controller:{holder}:{lease.epoch}"}
         n = ctl.start()
         say(f"leading job {job} (epoch {lease.epoch}) on {ep.where}"
             + (f": rebuilt from {n} message(s) already delivered" if n else ""))

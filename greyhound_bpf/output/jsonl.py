@@ -38,11 +38,19 @@ class JsonLinesWriter:
         self.error: str | None = None
         self.dropped = 0
         self._unflushed = 0
+        # Many machines: who wrote each event (a node's `node` and `agent`, or
+        # the controller's `producer`), and `serial`, its number in this
+        # stream (from 1), for readers that merge streams and drop repeats.
+        self.stamp: dict = {}
+        self.serial = 0
 
     def write(self, event: dict) -> None:
         if self.closed:
             self.dropped += self.error is not None
             return
+        if self.stamp:
+            self.serial += 1
+            event = {**self.stamp, **event, "serial": self.serial}
         try:
             self._fh.write(json.dumps(event, separators=(",", ":"), default=plain) + "\n")
             self._unflushed += 1
