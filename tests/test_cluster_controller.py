@@ -33,7 +33,7 @@ from greyhound_bpf.cluster.agent import Agent
 from greyhound_bpf.cluster.connect import Refused, check, client, endpoint
 from greyhound_bpf.cluster.controller import Controller, Lease
 from greyhound_bpf.probe.catalog import load_catalog
-from harness import wait_for
+from harness import JsonlTail, wait_for
 from redisbed import RedisBed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,3 +323,55 @@ def test_bad_cluster_arguments_are_one_line(args, code, message):
                        env={**os.environ, "GREYHOUND_REDIS_PASSWORD": "x"})
     assert p.returncode == code, p.stderr
     assert p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+
+
+def test_redis_restarted_without_its_data_the_controller_and_agents_go_on(tmp_path):
+    """Redis goes away and comes back empty (no persistence): the agents
+    trace locally meanwhile and reconnect; the controller says what was lost
+    (a `gap`), makes its consumer group again, takes the vanished lease in
+    a new epoch, and goes on reading the agents."""
+    with RedisBed(tmp_path, JOB, ["a", "b"]) as bed2:
+        procs, outs = [], {}
+        try:
+            for node, ranks in (("a", "0,1"), ("b", "2,3")):
+                outs[node] = tmp_path / f"agent-{node}.out"
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(ROOT / "tests" / "agent_replay.py"), bed2.url, JOB,
+                     node, ranks, str(RECORDING), str(bed2.secret_file(f"agent-{node}")),
+                     "1.0"], cwd=ROOT, stdout=open(outs[node], "w"), stderr=subprocess.STDOUT))
+            events = tmp_path / "ctl.jsonl"
+            ctl_out = open(tmp_path / "ctl.out", "w+")
+            ctl = subprocess.Popen(
+                [sys.executable, "-m", "greyhound_bpf.cli", "controller", "--cluster", bed2.url,
+                 "--job", JOB, "--cluster-secret", str(bed2.secret_file("controller")),
+                 "--no-validate", "--iterations", "-o", str(events)],
+                cwd=ROOT, stdout=ctl_out, stderr=subprocess.STDOUT, text=True)
+            procs.append(ctl)
+            tail = JsonlTail(events)
+            wait_for(lambda: [e for e in tail.read() if e["kind"] == "census"
+                              and e["complete"]], 60, "every rank announced")
+            wait_for(lambda: len([e for e in tail.read() if e["kind"] == "iteration"]) > 100,
+                     60, "iterations")
+            bed2.stop()
+            time.sleep(15)                   # (longer than the client's own retries)
+            bed2.start()
+            gap = wait_for(lambda: [e for e in tail.read() if e["kind"] == "gap"], 60,
+                           "the controller's gap", why=lambda: (tmp_path / "ctl.out").read_text())
+            assert "redis lost the streams" in gap[0]["reason"]
+            at = len(tail.read())
+            wait_for(lambda: {e["rank"] for e in tail.read()[at:] if e["kind"] == "iteration"}
+                     == {0, 1, 2, 3}, 60, "every rank's iterations again",
+                     why=lambda: (tmp_path / "ctl.out").read_text())
+            said = (tmp_path / "ctl.out").read_text()
+            assert "leading again as epoch 2" in said and ctl.poll() is None, said
+            assert not [e for e in tail.read() if e["kind"] == "agent_lost"], said
+            for node in "ab":
+                text = outs[node].read_text()
+                assert "tracing locally" in text and "is back after" in text, text
+            last = [e for e in tail.read() if e["kind"] == "iteration"][-1]
+            assert last["producer"].endswith(":2"), last
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)

@@ -72,6 +72,7 @@ class ControllerBus:
     def __init__(self, client, job: str, nodes: list[str], consumer: str = "controller-1"):
         self.r, self.job, self.consumer = client, job, consumer
         self.streams: dict[str, str] = {}
+        self.lost_groups = False
         for n in nodes:
             self.add(n)
 
@@ -128,8 +129,20 @@ class ControllerBus:
         if not self.streams:
             time.sleep(block_ms / 1000)      # no node yet: nothing to wait on in Redis
             return []
-        resp = self.r.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams},
-                                 count=count, block=block_ms) or []
+        import redis
+        try:
+            resp = self.r.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams},
+                                     count=count, block=block_ms) or []
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis restarted without its data: the groups (and streams) are
+            # gone. Make them again; the caller says what was lost.
+            streams, self.streams = self.streams, {}
+            for node in streams.values():
+                self.add(node)
+            self.lost_groups = True
+            return []
         return [self._message(_text(stream), mid, raw)
                 for stream, entries in resp for mid, raw in entries]
 

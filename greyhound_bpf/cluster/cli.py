@@ -196,9 +196,15 @@ def cmd_controller(args, json_target) -> int:
 
         def keepalive():
             if time.monotonic() >= renew[0]:
+                was = lease.epoch
                 if not lease.renew():
                     raise GreyhoundError(f"lost the lead of job {job} (epoch {lease.epoch}): "
                                          "another controller leads now")
+                if lease.epoch != was and ctl is not None:
+                    say(f"the lease was gone from redis: leading again as epoch {lease.epoch}")
+                    ctl.epoch = lease.epoch
+                    if writer:
+                        writer.stamp = {"producer": f"controller:{holder}:{lease.epoch}"}
                 renew[0] = time.monotonic() + LEASE_MS / 3000
         ctl = Controller(r, job, analysis, out, say, nodes=nodes, consumer=holder,
                          epoch=lease.epoch, mitigate=args.mitigate, keepalive=keepalive)

@@ -45,10 +45,16 @@ READ_COUNT = 2000               # messages per read, over all streams: a turn st
 
 
 class Lease:
-    _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
-              "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0")
+    _RENEW = ("local v = redis.call('get', KEYS[1]) "
+              "if v == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end "
+              "if not v then return -1 end return 0")
     _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
                 "return redis.call('del', KEYS[1]) end return 0")
+    # The next epoch, never below what this holder had (a Redis restarted
+    # without its data starts the counter again).
+    _EPOCH = ("local e = tonumber(redis.call('get', KEYS[1]) or '0') "
+              "if e < tonumber(ARGV[1]) then redis.call('set', KEYS[1], ARGV[1]) end "
+              "return redis.call('incrby', KEYS[1], 1)")
 
     def __init__(self, r, job: str, holder: str, ttl_ms: int = LEASE_MS):
         self.r, self.holder, self.ttl = r, holder, ttl_ms
@@ -58,12 +64,15 @@ class Lease:
     def acquire(self) -> int | None:
         """The new epoch if this holder now leads, else None."""
         if self.r.set(self.key, self.holder, nx=True, px=self.ttl):
-            self.epoch = int(self.r.incr(self.epoch_key))
+            self.epoch = int(self.r.eval(self._EPOCH, 1, self.epoch_key, self.epoch or 0))
             return self.epoch
         return None
 
     def renew(self) -> bool:
-        return bool(self.r.eval(self._RENEW, 1, self.key, self.holder, self.ttl))
+        """Still leading. A lease that vanished (Redis restarted without its
+        data) is taken again, in a new epoch, unless another took it first."""
+        got = int(self.r.eval(self._RENEW, 1, self.key, self.holder, self.ttl))
+        return got == 1 or got == -1 and self.acquire() is not None
 
     def release(self) -> None:
         self.r.eval(self._RELEASE, 1, self.key, self.holder)
@@ -146,6 +155,11 @@ class Controller:
             self._next_discover = now + DISCOVER_S
         msgs = self.bus.read(block_ms=block_ms,
                              count=max(1, READ_COUNT // max(1, len(self.bus.streams))))
+        if self.bus.lost_groups:
+            self.bus.lost_groups = False
+            self._emit("gap", self.now_ns(), node=None, dropped=None, away_s=None,
+                       reason="redis lost the streams (restarted without its data?): what the "
+                              "agents sent before is gone, the analysis goes on from now")
         self._take(msgs)
         self.bus.ack(msgs)
         self._release(time.monotonic() - HOLD_S)

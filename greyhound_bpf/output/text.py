@@ -75,6 +75,8 @@ def _line(kind: str, f: dict) -> str | None:
         return (f"all {f['world']} ranks announced once" if f["complete"]
                 else "ranks: " + "; ".join(f["problems"]))
     if kind == "gap":
+        if f.get("reason"):
+            return f"GAP: {f['reason']}"
         return f"node {f['node']}: {f['dropped']} record(s) lost while redis was away"
     if kind in ("iteration", "call", "attach", "detach", "node_event"):
         return None
