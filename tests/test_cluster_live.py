@@ -22,8 +22,9 @@ import time
 
 import pytest
 
-from greyhound_bpf.inject import CpuQuota
-from harness import GREYHOUND, ROOT, JsonlTail, cpu_share, rank_pids, wait_for
+from greyhound_bpf.diagnosis.cpu import cpu_controller, remove_stale_idle_groups
+from greyhound_bpf.inject import CpuQuota, leftover_groups
+from harness import GREYHOUND, ROOT, JsonlTail, cpu_share, kill_tree, rank_pids, wait_for
 from netbed import NetBed
 from redisbed import RedisBed
 
@@ -35,22 +36,32 @@ TRAIN = ("--microbatches", "4", "--mb-size", "256", "--hidden", "128", "--layers
 
 
 def test_two_nodes_one_controller(tmp_path, tracer):
+    before = leftover_groups()
     bed = NetBed(2, prefix="ghc", subnet="10.213.0")
+    procs: list[subprocess.Popen] = []             # the controller, whatever happens
     with bed:
         redis = RedisBed(tmp_path, RUN_ID, ["n0", "n1"], bind=bed.addr(bed.HOST),
                          tls=True).start()
-        ctl_proc = None
         try:
-            ctl_proc = _run(tmp_path, bed, redis, tracer)
+            _run(tmp_path, bed, redis, tracer, procs)
         finally:
-            if ctl_proc is not None and ctl_proc.poll() is None:
-                ctl_proc.send_signal(signal.SIGINT)
-                ctl_proc.wait(15)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+                    try:
+                        p.wait(15)
+                    except subprocess.TimeoutExpired:
+                        kill_tree(p)
             redis.stop()
     assert bed.leftovers() == []
+    # The kill -9'd agent's idle group outlives it until an attach starts
+    # (which removes it, as here, once its validation workers are gone).
+    wait_for(lambda: not remove_stale_idle_groups(cpu_controller()) and
+             set(leftover_groups()) <= set(before), 30, "no group left",
+             why=lambda: leftover_groups())
 
 
-def _run(tmp_path, bed, redis, tracer):
+def _run(tmp_path, bed, redis, tracer, procs):
     ca = str(redis.certs["ca.pem"])
     control = {i: tmp_path / f"n{i}" / "ctl.json" for i in range(2)}
     truth = {i: tmp_path / f"n{i}" / "truth.jsonl" for i in range(2)}
@@ -75,6 +86,7 @@ def _run(tmp_path, bed, redis, tracer):
          "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path),
          "--mitigate"], cwd=ROOT, stdout=ctl_out, stderr=subprocess.STDOUT,
         start_new_session=True)
+    procs.append(ctl)
     events = JsonlTail(events_path)
     seen = events.all                      # every event so far (read() appends)
 
@@ -163,4 +175,3 @@ def _run(tmp_path, bed, redis, tracer):
     wait_for(lambda: kind("census")[-1]["complete"], 30, "the census whole again", why=story)
     for a in agents.values():
         a.stop()
-    return ctl

@@ -12,8 +12,16 @@ from greyhound_bpf.inject import leftover_groups
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
+def fresh_groups() -> list:
+    """Our groups now, after what any attach does first: a SIGKILLed
+    tracer's idle group (another test's) removed."""
+    from greyhound_bpf.diagnosis.cpu import cpu_controller, remove_stale_idle_groups
+    remove_stale_idle_groups(cpu_controller())
+    return leftover_groups()
+
+
 def test_demo_headless_tells_the_whole_story():
-    before = leftover_groups()
+    before = fresh_groups()
     r = subprocess.run([str(ROOT / "scripts" / "demo"), "--headless", "--healthy", "20",
                         "--slow", "30", "--after", "40"], capture_output=True, text=True,
                        timeout=420, cwd=ROOT)
@@ -50,7 +58,7 @@ def test_demo_ctrl_c_leaves_nothing(how):
     import signal
     import time
     from conftest import wait_for
-    before = leftover_groups()
+    before = fresh_groups()
     p = subprocess.Popen([str(ROOT / ".venv" / "bin" / "python"),
                           str(ROOT / "scripts" / "demo_story.py"), "--headless",
                           "--healthy", "5", "--slow", "60"], cwd=ROOT, text=True,
