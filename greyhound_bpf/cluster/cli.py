@@ -222,6 +222,7 @@ def cmd_controller(args, json_target) -> int:
                     say(f"redis at {ep.where} is back after {time.monotonic() - away:.0f} s")
                     away = None
             except (redis.ConnectionError, redis.TimeoutError) as e:
+                ctl.redis_away()
                 if away is None:
                     say(f"redis at {ep.where} lost ({e}): trying again every second")
                     away = time.monotonic()

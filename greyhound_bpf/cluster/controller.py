@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, Tick, Validated
 from ..events import make_event
-from .agent import HEARTBEAT_S
+from .agent import HEARTBEAT_S, RETRY_S
 from .bus import ControllerBus, JobInputs, Message
 from .identity import census, commands_stream
 
@@ -114,6 +114,7 @@ class Controller:
         self.plans = 0
         self.write_failed = False
         self._next_tick = self._next_discover = self._last_turn = 0.0
+        self.away = False
 
     # -- start: rebuild from what was delivered -----------------------------------------
 
@@ -155,6 +156,8 @@ class Controller:
             self._next_discover = now + DISCOVER_S
         msgs = self.bus.read(block_ms=block_ms,
                              count=max(1, READ_COUNT // max(1, len(self.bus.streams))))
+        if self.away:
+            self._redis_back()
         if self.bus.lost_groups:
             self.bus.lost_groups = False
             self._emit("gap", self.now_ns(), node=None, dropped=None, away_s=None,
@@ -173,6 +176,19 @@ class Controller:
                 self._census(self.now_ns())
             self._feed(Tick(self.now_ns()))
             self._next_tick = now + TICK_S
+
+    def redis_away(self) -> None:
+        """Redis could not be reached (the caller retries step())."""
+        self.away = True
+
+    def _redis_back(self) -> None:
+        # The controller heard no one while redis was away: no agent's
+        # silence counts from before its return, and each gets its own retry
+        # period (RETRY_S) to reconnect on top of the usual LOST_AFTER.
+        self.away = False
+        now = time.monotonic()
+        for st in self.nodes.values():
+            st.seen = max(st.seen, now + RETRY_S)
 
     def _take(self, msgs: list[Message]) -> None:
         for m in sorted(msgs, key=lambda m: (m.t_ns, m.node, m.seq)):
