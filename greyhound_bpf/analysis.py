@@ -114,12 +114,22 @@ class Iterations:
 
 
 @dataclass(frozen=True)
+class Communicators:
+    """A node's communicator map (its agent's `topology` event): the
+    controller's map is the merge of its nodes' (engine.topology.merge_maps)."""
+    t_ns: int
+    node: str
+    fields: dict
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passes (once a second): waits that end, the communicator map."""
     t_ns: int
 
 
-INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick, Iterations)
+INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick, Iterations,
+          Communicators)
 
 
 @dataclass
@@ -195,7 +205,8 @@ class JobAnalysis:
         self.now_ns = max(self.now_ns, int(inp.t_ns))
         handler = {Calls: self._calls, Targets: self._targets, Activity: self._activity,
                    Validated: self._validated, Acks: self._acks, PlanWritten: self._written,
-                   Tick: self._tick, Iterations: self._iterations}.get(type(inp))
+                   Tick: self._tick, Iterations: self._iterations,
+                   Communicators: self._communicators}.get(type(inp))
         if handler is None:
             raise TypeError(f"not an analysis input: {inp!r}")
         return handler(inp)
@@ -343,6 +354,10 @@ class JobAnalysis:
                             plan={}, expected_ms=None,
                             reason=f"could not write plan {inp.seq} to the control file "
                                    f"({inp.error}): advising only from now on")]
+
+    def _communicators(self, inp: Communicators) -> list[dict]:
+        self.topology.merge(inp.node, inp.fields)
+        return []                       # (the job's map: a `topology` event at the next tick)
 
     def _tick(self, inp: Tick) -> list[dict]:
         out = []

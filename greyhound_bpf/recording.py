@@ -33,8 +33,8 @@ from typing import IO, Iterator
 import numpy as np
 
 from . import GreyhoundError, __version__
-from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, Iterations, PlanWritten,
-                       Targets, Tick, Validated)
+from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, Communicators, Iterations,
+                       PlanWritten, Targets, Tick, Validated)
 from .output.jsonl import JsonLinesWriter
 from .probe.catalog import Catalog
 from .probe.records import CALL_DTYPE, GH_MAX_ARGS
@@ -44,7 +44,8 @@ FORMAT = 1
 # one 100 ms tracer batch holds for a small job, so ranks interleave as live.
 LEGACY_CHUNK = 256
 _NAME = {Calls: "calls", Targets: "targets", Activity: "activity", Validated: "validated",
-         Acks: "acks", PlanWritten: "written", Tick: "tick", Iterations: "iterations"}
+         Acks: "acks", PlanWritten: "written", Tick: "tick", Iterations: "iterations",
+         Communicators: "communicators"}
 assert set(_NAME) == set(INPUTS)
 
 
@@ -80,6 +81,8 @@ def encode(inp, slot_mask: np.ndarray | None = None) -> dict:
         d.update(seq=inp.seq, error=inp.error)
     elif isinstance(inp, Iterations):
         d.update(key=inp.key, items=list(inp.items))
+    elif isinstance(inp, Communicators):
+        d.update(node=inp.node, fields=inp.fields)
     return d
 
 
@@ -241,6 +244,8 @@ class Recording:
             if not all(isinstance(i, dict) for i in items):
                 raise ValueError("an iteration that is not an object")
             return Iterations(t, int(d["key"]), items)
+        if kind == "communicators":
+            return Communicators(t, str(d["node"]), dict(d["fields"]))
         raise GreyhoundError(f"{self.path}:{self.lineno}: unknown input {kind!r}")
 
     def _legacy(self) -> Iterator:

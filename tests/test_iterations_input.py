@@ -1,21 +1,22 @@
 """The analysis fed iterations instead of calls (issue #14's base: a node's
-agent finds each rank's iterations in its calls and publishes them; the
-job's controller runs JobAnalysis over every node's iterations). Over the
-corpus's real recordings, an analysis fed the iterations a first one found
-says exactly what the first one says: the same slowdowns, verdicts,
-validation requests and plans at the same moments. Calls also give the
-communicator map, which iterations do not carry: a link verdict then names
-no communicator, and that is the only difference."""
+agent finds each rank's iterations in its calls and publishes them, with
+its communicator map; the job's controller runs JobAnalysis over every
+node's iterations and maps). Over the corpus's real recordings, an analysis
+fed the iterations and the map a first one found says exactly what the
+first one says: the same slowdowns, verdicts, validation requests and plans
+at the same moments. Without the map, a link verdict names no
+communicator, and that is the only difference."""
 import pytest
 
 import corpus
-from greyhound_bpf.analysis import Calls, Iterations, JobAnalysis
+from greyhound_bpf.analysis import Calls, Communicators, Iterations, JobAnalysis
 from greyhound_bpf.probe.catalog import load_catalog
 from greyhound_bpf.recording import Recording, encode
 
-def both(name: str) -> tuple[list[dict], list[dict]]:
+def both(name: str, maps: bool = False) -> tuple[list[dict], list[dict]]:
     """(events of the analysis fed the recording's calls, events of one fed
-    the iterations the first found, batch by batch, everything else alike)."""
+    the iterations the first found, batch by batch, and with `maps` its
+    communicator maps as a node's agent forwards them; everything else alike)."""
     cat = load_catalog()
     rec = Recording(str(corpus.SCENARIOS / f"{name}.rec.gz"), cat)
     calls, its = JobAnalysis(cat, rec.job, rec.config), JobAnalysis(cat, rec.job, rec.config)
@@ -23,6 +24,10 @@ def both(name: str) -> tuple[list[dict], list[dict]]:
     for inp in rec.inputs():
         out = calls.feed(inp)
         ea += out
+        for e in out if maps else ():
+            if e["kind"] == "topology":
+                eb += its.feed(Communicators(inp.t_ns, "n0", {
+                    k: e[k] for k in ("communicators", "p2p_edges")}))
         if not isinstance(inp, Calls):
             eb += its.feed(inp)
             continue
@@ -70,7 +75,15 @@ def test_iterations_are_recorded_and_read_back(tmp_path):
     path = tmp_path / "r.rec.gz"
     with gzip.open(src.path, "rt") as fh:
         header = fh.readline()
+    comms = Communicators(6, "n1", {"communicators": [{"name": "gloo:0", "ranks": [2, 3]}],
+                                    "p2p_edges": [[2, 3]]})
     with gzip.open(path, "wt") as fh:
-        fh.write(header + json.dumps(encode(inp)) + "\n")
-    (back,) = list(Recording(str(path), load_catalog()).inputs())
-    assert back == inp
+        fh.write(header + json.dumps(encode(inp)) + "\n" + json.dumps(encode(comms)) + "\n")
+    assert list(Recording(str(path), load_catalog()).inputs()) == [inp, comms]
+
+
+def test_with_the_nodes_map_a_link_verdict_names_its_communicator():
+    ea, eb = both("link-demo4-r1", maps=True)
+    a, b = downstream(ea), downstream(eb)
+    assert [e for e in a if e["kind"] == "diagnosis" and e.get("communicator")]
+    assert a == b

@@ -100,6 +100,54 @@ def test_too_few_calls_is_no_group_yet():
     assert t.changed() is None
 
 
+def _job_records(ranks):
+    """World init of 4, tensor-parallel pairs (a second init of size 2), a
+    split by colour of the world, and a pipeline edge 1 -> 3."""
+    recs = []
+    for r in ranks:
+        pid = 600 + r
+        recs.append(rec(pid, "ncclCommInitRank", comm=0x1000 + pid, nranks=4, comm_rank=r))
+        recs.append(rec(pid, "ncclCommInitRank", comm=0x2000 + pid, nranks=2, comm_rank=r % 2))
+        recs.append(rec(pid, "ncclCommSplit", parent=0x1000 + pid, color=r % 2, key=10 - r,
+                        comm=0x3000 + pid))
+        if r == 1:
+            recs.append(rec(pid, "ncclSend", comm=0x1000 + pid, peer=3, count=10))
+        if r == 3:
+            recs.append(rec(pid, "ncclRecv", comm=0x1000 + pid, peer=1, count=10))
+        for i in range(GLOO_PATTERN_CALLS):
+            recs.append(rec(pid, "gloo::allreduce", count=1000 + i % 2, elem_size=4))
+    return recs
+
+
+def _shape(f):
+    by_name = {c["name"]: c for c in f["communicators"]}
+    return ({(c["backend"], tuple(c["ranks"]), c["nranks"], c["source"],
+              tuple(by_name[c["parent"]]["ranks"]) if c["parent"] else None)
+             for c in f["communicators"]}, f["p2p_edges"])
+
+
+def test_nodes_maps_merge_into_the_one_machines_map():
+    """Two nodes (ranks 0-1 and 2-3) each see only their ranks' calls; the
+    controller's merge of their maps is the map one machine seeing all four
+    would make: the world and the split's groups across nodes, the tensor-
+    parallel pairs (one key, a pair per node) kept apart, the pipeline edge."""
+    one = Topology(CAT)
+    feed(one, _job_records(range(4)), {600 + r: r for r in range(4)})
+    job = Topology(CAT)
+    for node, ranks in (("a", (0, 1)), ("b", (2, 3))):
+        t = Topology(CAT)
+        feed(t, _job_records(ranks), {600 + r: r for r in ranks})
+        job.merge(node, t.changed())
+    assert _shape(job.fields()) == _shape(one.fields())
+    comms = {tuple(c["ranks"]) for c in job.fields()["communicators"]}
+    assert {(0, 1, 2, 3), (0, 1), (2, 3), (2, 0), (3, 1)} <= comms
+    assert job.communicator_of([1, 2])["ranks"] == [0, 1, 2, 3]
+    # A node's newer map replaces its older one.
+    job.merge("b", {"communicators": [], "p2p_edges": []})
+    assert {tuple(c["ranks"]) for c in job.fields()["communicators"]
+            if c["backend"] == "nccl"} == {(0, 1), (0,), (1,)}
+
+
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_topology_event_of_a_live_gloo_job(ddp_job, tracer):

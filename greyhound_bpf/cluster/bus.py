@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from ..analysis import Acks, Iterations, Targets
+from ..analysis import Acks, Communicators, Iterations, Targets
 from .identity import check_name, events_stream
 
 MAXLEN = 100_000          # per node: minutes of iteration batches at a few per second
@@ -208,6 +208,10 @@ class JobInputs:
         if m.kind == "iterations":
             return [Iterations(m.t_ns, self.key(m.node, int(pid)), items)
                     for pid, items in sorted(m.data.get("ranks", {}).items()) if items]
+        if m.kind == "event" and (m.data.get("event") or {}).get("kind") == "topology":
+            ev = m.data["event"]
+            return [Communicators(m.t_ns, m.node, {"communicators": ev.get("communicators", []),
+                                                   "p2p_edges": ev.get("p2p_edges", [])})]
         if m.kind == "acks":
             self.acks[m.node] = dict(m.data.get("docs") or {})
             return [Acks(m.t_ns, {r: d for docs in self.acks.values() for r, d in docs.items()},

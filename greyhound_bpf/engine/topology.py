@@ -18,9 +18,18 @@
 
 `Topology.feed` takes tracer batches; `changed()` says when a new `topology`
 event is due, and `fields()` is its content.
+
+With many machines each node's agent sees only its own ranks' part of a
+communicator. Every communicator in the map carries its identity (`key`,
+the same in every process) and each rank's place in it (`order`), so the
+job's controller merges the nodes' maps (`merge`): parts with one key are
+put together in order, an init's parts up to its size with no place
+taken twice (the tensor-parallel pairs of different nodes share a key and
+stay apart).
 """
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -61,6 +70,7 @@ class Topology:
         self.gloo_types: dict[int, set] = defaultdict(set)   # job rank -> {(fn, count)}
         self.gloo_calls: dict[int, int] = defaultdict(int)
         self._last: dict | None = None
+        self.nodes: dict[str, dict] = {}                     # node -> its map (a controller's)
 
     # -- input ----------------------------------------------------------------------
 
@@ -150,9 +160,16 @@ class Topology:
                 parent = names.get((c.key[1], ranks[0])) if c.key[0] == "split" else None
                 failed = {str(r): c.failed[r] for r in ranks if r in c.failed}
                 comms.append({"name": name, "backend": "nccl", "ranks": ranks,
+                              "key": str(c.key), "order": [list(c.sort[r]) if c.key[0] == "split"
+                                                          else [cr] for r, cr in grp],
                               "nranks": c.nranks or len(ranks),
                               "source": "split" if c.key[0] == "split" else "init",
                               "parent": parent,
+                              **({"parent_key": str(c.key[1])} if c.key[0] == "split" else {}),
+                              # (job rank, peer's rank in the communicator): the merge
+                              # finds a peer on another node
+                              "p2p": sorted([r, peer] for key, r, peer in self.p2p
+                                            if key == c.key and r in ranks),
                               "state": "failed" if failed else "ok",
                               **({"failed": failed} if failed else {})})
                 for r in ranks:
@@ -167,11 +184,18 @@ class Topology:
         for rank, types in self.gloo_types.items():
             if self.gloo_calls[rank] >= GLOO_PATTERN_CALLS:
                 patterns[frozenset(types)].append(rank)
-        for i, ranks in enumerate(sorted(sorted(v) for v in patterns.values())):
+        for i, (ranks, types) in enumerate(sorted((sorted(v), k) for k, v in patterns.items())):
+            key = hashlib.sha1(repr(sorted(types)).encode()).hexdigest()[:12]
             comms.append({"name": f"gloo:{i}", "backend": "gloo", "ranks": ranks,
+                          "key": f"gloo:{key}", "order": [[r] for r in ranks],
                           "nranks": len(ranks), "source": "call pattern", "parent": None,
                           "state": "ok"})
-        return {"communicators": comms, "p2p_edges": [list(e) for e in sorted(edges)]}
+        out = {"communicators": comms, "p2p_edges": [list(e) for e in sorted(edges)]}
+        return merge_maps([out, *self.nodes.values()]) if self.nodes else out
+
+    def merge(self, node: str, fields: dict) -> None:
+        """A node's map (its `topology` event): part of the job's."""
+        self.nodes[node] = fields
 
     def changed(self) -> dict | None:
         """The new map when it differs from the last one returned, else None."""
@@ -191,3 +215,56 @@ class Topology:
 def _order(key: tuple) -> tuple:
     """Inits before splits, then by size and order: stable names."""
     return (0 if key[0] == "init" else 1, str(key))
+
+
+def merge_maps(maps: list[dict]) -> dict:
+    """Nodes' maps as the job's: each communicator's parts (one per node)
+    put together by key, in order; an init of size N takes parts while
+    they fit in N and take no place twice."""
+    parts: dict[tuple, list[dict]] = defaultdict(list)
+    for m in maps:
+        for c in m.get("communicators", []):
+            if "key" in c:                 # (a map from before keys: not mergeable)
+                parts[(c["backend"], c["key"])].append(c)
+    merged = []
+    edges = {tuple(e) for m in maps for e in m.get("p2p_edges", [])}
+    for (backend, key), cs in sorted(parts.items()):
+        groups: list[dict] = []
+        for c in sorted(cs, key=lambda c: c["order"]):
+            size = c.get("nranks") or 0
+            fits = next((g for g in groups if c["source"] != "init" or (
+                len(g["ranks"]) + len(c["ranks"]) <= size
+                and not {tuple(o) for o in g["order"]} & {tuple(o) for o in c["order"]})), None)
+            if fits is None:
+                groups.append({**c, "ranks": list(c["ranks"]), "order": list(c["order"]),
+                               "failed": dict(c.get("failed", {}))})
+                continue
+            fits["ranks"] += c["ranks"]
+            fits["order"] += c["order"]
+            fits["failed"].update(c.get("failed", {}))
+            fits["p2p"] = fits.get("p2p", []) + c.get("p2p", [])
+        for g in groups:
+            placed = sorted(zip(g["order"], g["ranks"]))
+            g["order"], g["ranks"] = [o for o, _ in placed], [r for _, r in placed]
+            if g["source"] != "init":
+                g["nranks"] = len(g["ranks"])
+            at = ({o[0]: r for o, r in zip(g["order"], g["ranks"])} if g["source"] == "init"
+                  else dict(enumerate(g["ranks"])))      # a split's ranks: in its order
+            for r, peer in g.get("p2p", []):
+                if at.get(peer, r) != r:
+                    edges.add(tuple(sorted((r, at[peer]))))
+            g["state"] = "failed" if g["failed"] else "ok"
+            if not g["failed"]:
+                del g["failed"]
+            merged.append(g)
+    merged.sort(key=lambda g: (g["backend"] != "nccl", g["source"] != "init", g["key"],
+                               g["ranks"]))
+    n: dict[str, int] = defaultdict(int)
+    for g in merged:
+        g["name"] = f"{g['backend']}:{n[g['backend']]}"
+        n[g["backend"]] += 1
+    for g in merged:
+        if g.get("parent_key"):            # the parent's group that holds our first rank
+            g["parent"] = next((p["name"] for p in merged if p["key"] == g["parent_key"]
+                                and g["ranks"][0] in p["ranks"]), None)
+    return {"communicators": merged, "p2p_edges": [list(e) for e in sorted(edges)]}
