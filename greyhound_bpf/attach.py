@@ -44,16 +44,11 @@ from .probe.tracer import DEFAULT_RINGBUF_PAGES, Tracer
 # start later are probed within this delay plus the attach time; each scan
 # reads /proc/*/stat, CPU taken from the job on a busy node.
 SCAN_INTERVAL_S = 1.0
-# How often the in-kernel loss counter and the trainer's acks are read.
-LOST_CHECK_S = 0.5
-# How often the analysis is told the time (waits that end, the topology).
-TICK_S = 1.0
-# Longest wait for records; the kernel also wakes us every N records.
-POLL_MS = 200
-# How often the JSON stream is flushed to its file.
-FLUSH_S = 0.5
-# How often the live view is redrawn.
-VIEW_S = 0.25
+LOST_CHECK_S = 0.5         # the in-kernel loss counter and the trainer's acks are read
+TICK_S = 1.0               # the analysis is told the time (waits that end, the topology)
+POLL_MS = 200              # the longest wait for records (the kernel wakes us every N)
+FLUSH_S = 0.5              # the JSON stream is flushed to its file
+VIEW_S = 0.25              # the live view is redrawn
 
 
 @dataclass
@@ -147,7 +142,7 @@ class AttachSession:
         self.metrics = None
         self.agent = None                          # cluster.agent.Agent with --cluster
         self.exited_pids: set[int] = set()
-        self.validator = None                      # diagnosis.validator.Service, at first use
+        self.validator = None                      # diagnosis.service.Service, at first use
         self.background: Background | None = None   # diagnosis.cpu.Background, in run()
         self.validated: queue.SimpleQueue = queue.SimpleQueue()
         self._acks_last = None
@@ -464,17 +459,18 @@ class AttachSession:
 
     def _start_validation(self, ev: dict) -> None:
         """Benchmark the ranks' devices and links in the background
-        (diagnosis.validator.Service); the tracer keeps draining."""
+        (diagnosis.service.Service); the tracer keeps draining."""
         members = self._members(ev["ranks"])
         if self.validator is None:
-            from .diagnosis.validator import Service
+            from .diagnosis.service import Service
             self.validator = Service(lambda kind, doc: self.validated.put((kind, doc)),
                                      self.now_ns, self.opts.pause_max_s,
                                      idle_group=self.background and self.background.group)
         self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]],
-                               ev.get("devices"))
-        self.say(f"validating {len(ev.get('devices') or members)} device(s) and "
-                 f"{len(ev['edges'])} link(s) ({ev['reason']})")
+                               ev.get("devices"), ev.get("cross"))
+        n = len(ev.get("devices") or members)
+        what = ev.get("what") or f"{n} device(s) and {len(ev['edges'])} link(s)"
+        self.say(f"validating {what} ({ev['reason']})")
 
     def _collect_validation(self) -> None:
         while True:
@@ -488,8 +484,9 @@ class AttachSession:
                 span_id, kind, start, end = doc
                 self.feed(Activity(self.now_ns(), span_id, kind, start, end))
             elif what == "result":
-                request_id, res = doc
-                self.feed(Validated(self.now_ns(), request_id, res.to_dict()))
+                request_id, res = doc            # (links between nodes: the controller's)
+                if not res.between_nodes:
+                    self.feed(Validated(self.now_ns(), request_id, res.to_dict()))
                 if self.agent:
                     self.agent.validated(request_id, res.to_dict())
 

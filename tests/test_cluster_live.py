@@ -6,7 +6,8 @@ has its own `greyhound-trace attach --cluster` agent, and one
 bridge's address, with TLS (a CA made here) and one ACL user each.
 
 One run, no retries:
-- healthy: every rank announced once, nothing named, nothing planned;
+- healthy: every rank announced once, the nodes' communicator maps merged
+  into the job's, nothing named, nothing planned;
 - a CPU quota on a rank of node n1: the controller names that rank, its
   cause and its node; asked by the controller, each node's agent measures
   its own devices, and the merged measurements name the same; the plan is
@@ -112,6 +113,11 @@ def _run(tmp_path, bed, redis, tracer, procs):
     assert census["world"] == 4
     assert {int(r): n for r, n in census["where"].items()} == {r: [n] for r, n in
                                                                node_of.items()}
+    # The job's communicator map: each node's agent sees its own two ranks'
+    # gloo calls; the controller's merge holds all four.
+    wait_for(lambda: [e for e in kind("topology") if [0, 1, 2, 3] in
+                      [c["ranks"] for c in e["communicators"]]], 60,
+             "the job's communicator map", why=story)
 
     # Healthy: each agent has measured its ranks a while; nothing is named.
     for a in agents.values():
@@ -174,4 +180,97 @@ def _run(tmp_path, bed, redis, tracer, procs):
              "node n0's new agent", why=story)
     wait_for(lambda: kind("census")[-1]["complete"], 30, "the census whole again", why=story)
     for a in agents.values():
+        a.stop()
+
+
+# A communication-heavy job (the link test's): 200mbit makes its collectives
+# 3-4x as long.
+LINK_TRAIN = ("--microbatches", "2", "--mb-size", "64", "--hidden", "512", "--layers", "4",
+              "--bucket-mb", "1")
+
+
+def test_three_nodes_one_slow_link(tmp_path, tracer):
+    """Three nodes, one rank each (with two, either end of the one path
+    between them could be the slow one): a 200mbit tbf on node n1's veth.
+    Asked by the controller, every agent runs its side of the edges between
+    nodes (workers on both ends, their own rendezvous through the command
+    stream); the merged measurements name node n1's link."""
+    bed = NetBed(3, prefix="ghk", subnet="10.214.0")
+    procs: list[subprocess.Popen] = []
+    with bed:
+        redis = RedisBed(tmp_path, "ghlk", ["n0", "n1", "n2"],
+                         bind=bed.addr(bed.HOST)).start()
+        try:
+            _run_links(tmp_path, bed, redis, tracer, procs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+                    try:
+                        p.wait(15)
+                    except subprocess.TimeoutExpired:
+                        kill_tree(p)
+            redis.stop()
+        assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", bed.host_dev(1)],
+                                           capture_output=True, text=True).stdout
+    assert bed.leftovers() == []
+
+
+def _run_links(tmp_path, bed, redis, tracer, procs):
+    port = 29100 + os.getpid() % 300
+    jobs = {i: bed.start_torchrun(i, 1, "ghlk", port, tmp_path / f"truth-n{i}.jsonl",
+                                  *LINK_TRAIN, log=tmp_path / f"torchrun-n{i}.out")
+            for i in range(3)}
+    rank = {i: wait_for(lambda i=i: (lambda r: r if len(r) == 1 else None)(
+        rank_pids(jobs[i].pid)), 120, f"node n{i}'s rank") for i in range(3)}
+    on_n1 = next(iter(rank[1]))
+    events_path = tmp_path / "controller.jsonl"
+    procs.append(subprocess.Popen(
+        [*GREYHOUND, "controller", "--cluster", redis.url, "--job", "ghlk",
+         "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path)],
+        cwd=ROOT, stdout=open(tmp_path / "controller.out", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True))
+    events = JsonlTail(events_path)
+
+    def kind(k):
+        return [e for e in events.read() if e["kind"] == k]
+
+    def story():
+        return "\n".join(str({k: e.get(k) for k in ("kind", "node", "ranks", "nodes", "cause",
+                                                    "link", "evidence", "reason")})
+                         for e in events.all if e["kind"] != "iteration") + \
+            "\n" + (tmp_path / "controller.out").read_text()
+
+    agents = [tracer([jobs[i].pid], "-q", "--cluster", redis.url, "--node", f"n{i}",
+                     "--cluster-secret", str(redis.secret_file(f"agent-n{i}")),
+                     name=f"agent-n{i}") for i in range(3)]
+    for a in agents:
+        a.wait_attached(1)
+    wait_for(lambda: [c for c in kind("census") if c["complete"]], 60, "every rank announced",
+             why=story)
+    for i, a in enumerate(agents):
+        wait_for(lambda a=a, r=next(iter(rank[i])): len(a.measured(r)) >= 60, 120,
+                 f"60 measured iterations on n{i}", interval=0.5)
+    time.sleep(3)
+    assert [e for e in kind("diagnosis") if e["cause"] != "unknown"] == [], story()
+
+    start = time.time_ns()
+    inj = subprocess.Popen([*GREYHOUND, "inject", "link", "--dev", bed.host_dev(1),
+                            "--rate", "200mbit", "--for", "90"], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs.append(inj)
+    measured = wait_for(lambda: [e for e in kind("diagnosis") if e["time_ns"] > start
+                                 and e["evidence"] == "validation"], 150,
+                        "the merged measurements", interval=0.5, why=story)[0]
+    assert (measured["cause"], measured["link"], measured["ranks"], measured["nodes"]) == \
+        ("communication", "node n1", [on_n1], ["n1"]), story()
+    links = measured["details"]["links"]
+    assert len(links) == 3, links                    # every edge between the nodes
+    assert measured["details"]["untested"] == [], measured["details"]
+    assert measured["details"]["paused_s"] <= 5
+    assert not [e for e in kind("diagnosis") if e["cause"] == "computation"], story()
+    inj.send_signal(signal.SIGINT)                   # the limit is lifted
+    out, _ = inj.communicate(timeout=30)
+    assert "undone" in out, out
+    for a in agents:
         a.stop()

@@ -76,6 +76,34 @@ def test_one_slow_edge_is_named_as_an_edge():
     assert (d["cause"], d["link"]) == ("communication", "2<->3")
 
 
+# Three nodes of two ranks, ring order: 0-1 and 4-5 inside n0 and n2, 2-3
+# inside n1; 1-2, 3-4 and 0-5 between nodes.
+NODES = {0: "n0", 1: "n0", 2: "n1", 3: "n1", 4: "n2", 5: "n2"}
+RING6 = {(0, 1): 3.0, (1, 2): 3.1, (2, 3): 2.9, (3, 4): 3.2, (4, 5): 3.0, (0, 5): 3.1}
+
+
+def test_a_node_whose_every_edge_to_the_others_is_slow_has_the_slow_link():
+    res = result({r: 3.0 for r in range(6)}, {**RING6, (1, 2): 60.0, (3, 4): 55.0})
+    res.nodes = NODES
+    d = decide(Result.from_dict(res.to_dict()))       # (the map survives a recording)
+    assert (d["cause"], d["ranks"], d["link"]) == ("communication", [2, 3], "node n1")
+    assert "every edge between node n1 and the other nodes" in d["reason"]
+    # Without the map: every rank has a fast edge inside its node, so only
+    # the two edges are named.
+    res.nodes = {}
+    d = decide(res)
+    assert (d["cause"], d["link"]) == ("communication", "1<->2, 3<->4")
+
+
+def test_two_nodes_cannot_say_whose_link_it_is():
+    rtt = {(0, 1): 3.0, (1, 2): 60.0, (2, 3): 2.9, (0, 3): 58.0}
+    res = result({r: 3.0 for r in range(4)}, rtt)
+    res.nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    d = decide(res)
+    assert d["link"] != "node a" and d["link"] != "node b"
+    assert (d["cause"], d["link"]) == ("communication", "0<->3, 1<->2")
+
+
 def test_healthy_noise_is_unknown():
     d = decide(result({0: 3.0, 1: 3.6, 2: 3.3, 3: 2.8},
                       {(0, 1): 3.0, (1, 2): 4.0, (2, 3): 3.5, (0, 3): 2.9}))
@@ -354,7 +382,7 @@ def test_cpu_workers_stay_warm_and_gpu_workers_do_not():
     to start, and nothing of them may be left either way.)"""
     import queue
     from greyhound_bpf.diagnosis.host import Member
-    from greyhound_bpf.diagnosis.validator import Service
+    from greyhound_bpf.diagnosis.service import Service
     got = queue.SimpleQueue()
     svc = Service(lambda kind, payload: got.put((kind, payload)), time.time_ns)
     try:

@@ -42,6 +42,25 @@ FORWARDED = frozenset({"slowdown", "recovery", "diagnosis", "validation", "lost"
                        "topology", "unprobed_site", "activity"})
 
 
+class Rendezvous:
+    """Where the workers measuring the links between nodes meet
+    (diagnosis.crosslinks): the first rank's node offers its store's
+    address, the controller tells every node (a `links_join` command)."""
+
+    def __init__(self, offer):
+        self._offer, self._at, self._got = offer, None, threading.Event()
+
+    def offer(self, addr: str, port: int) -> None:
+        self._offer(addr, port)
+
+    def set(self, addr: str, port: int) -> None:
+        self._at = (addr, int(port))
+        self._got.set()
+
+    def wait(self, timeout: float):
+        return self._at if self._got.wait(timeout) else None
+
+
 def _netns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/net")
@@ -83,6 +102,7 @@ class Agent:
                 self.control = ControlWriter(control_file)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: queue.SimpleQueue = queue.SimpleQueue()   # validations to run here
+        self.rendezvous: dict[int, Rendezvous] = {}  # request -> links between nodes
         self.ranks: dict[int, dict] = {}            # pid -> hello entry
         self.pending: dict[int, list[dict]] = {}    # pid -> iterations not yet published
         self.buffered = 0
@@ -192,7 +212,7 @@ class Agent:
                     self.hello_due = True
             elif kind == "iteration":
                 self._buffer(ev)
-            elif kind == "validated":
+            elif kind in ("validated", "links_store"):
                 self.events.append(ev)
             else:
                 if kind == "exit" and self.ranks.pop(int(ev.get("pid", -1)), None):
@@ -237,6 +257,9 @@ class Agent:
             ev = self.events[0]
             if ev["kind"] == "validated":
                 self.bus.publish("validated", t, request=ev["request"], result=ev["result"])
+            elif ev["kind"] == "links_store":
+                self.bus.publish("links_store", t, request=ev["request"], addr=ev["addr"],
+                                 port=ev["port"])
             elif ev["kind"] == "activity":
                 self.bus.publish("activity", ev["time_ns"], **{k: ev[k] for k in (
                     "id", "what", "start_ns", "end_ns")})
@@ -286,6 +309,10 @@ class Agent:
             self._plan(data)
         elif f.get("kind") == "validate":
             self._validate(data)
+        elif f.get("kind") == "links":
+            self._links(data)
+        elif f.get("kind") == "links_join" and int(data["id"]) in self.rendezvous:
+            self.rendezvous[int(data["id"])].set(data["addr"], data["port"])
 
     def _plan(self, d: dict) -> None:
         seq, strategy = int(d["seq"]), d["strategy"]
@@ -321,3 +348,23 @@ class Agent:
                  f"{len(edges)} link(s) (request {d['id']})")
         self.requests.put({"id": int(d["id"]), "ranks": sorted(mine), "devices": devices,
                            "edges": edges, "reason": d.get("reason", "the controller asks")})
+
+    def _links(self, d: dict) -> None:
+        """This node's side of the links between nodes (`group`: every rank
+        measuring, on any node; `edges`: the edges between nodes)."""
+        mine = {r["rank"] for r in self.ranks.values() if r.get("rank") is not None}
+        here = sorted(mine & set(d["group"]))
+        if not here:
+            return
+        rid = int(d["id"])
+        for old in [k for k in self.rendezvous if k < rid - 10]:
+            del self.rendezvous[old]
+        rv = self.rendezvous[rid] = Rendezvous(lambda addr, port: self.q.put(
+            {"kind": "links_store", "request": rid, "addr": addr, "port": port}))
+        edges = [e for e in d["edges"] if e[0] in mine or e[1] in mine]
+        self.say(f"the controller asks this node to measure {len(edges)} link(s) to other "
+                 f"nodes (request {rid})")
+        self.requests.put({"id": rid, "ranks": here, "devices": [], "edges": [],
+                           "cross": {"group": d["group"], "edges": d["edges"], "rendezvous": rv},
+                           "what": f"this node's side of {len(edges)} link(s) between nodes",
+                           "reason": "the controller asks"})

@@ -218,8 +218,11 @@ class Controller:
                                     d.get("end_ns")))
             elif m.kind == "validated":
                 v = self.validations.get(int(m.data["request"]))
+                res = m.data.get("result") or {}
                 if v is not None:
-                    v["results"][m.node] = m.data.get("result") or {}
+                    v["links" if res.get("between_nodes") else "results"][m.node] = res
+            elif m.kind == "links_store":
+                self._links_store(m)
 
     def _hold(self, inp) -> None:
         if isinstance(inp, Iterations):
@@ -342,30 +345,71 @@ class Controller:
 
     def _validate(self, ev: dict) -> None:
         """Ask the agents; each measures its node's devices and the edges
-        inside it. An edge between two nodes is not measured (yet): said so
-        in the result's `untested`."""
+        inside it. Then (phase two, once they all answered) the edges
+        between nodes, by workers on both ends (diagnosis.crosslinks)."""
         devices, edges = ev.get("devices") or [], ev.get("edges") or []
         node = self.node_of_rank
         asked = {node(r) for r in devices} | {node(a) for a, b in edges if node(a) == node(b)}
-        asked = {n for n in asked if n and not self.nodes.get(n, NodeState("", 0)).lost}
-        across = [f"{a}<->{b}: between nodes {node(a)} and {node(b)}, not measured"
-                  for a, b in edges if node(a) != node(b)]
-        self.validations[int(ev["id"])] = {"asked": asked, "results": {}, "across": across,
-                                           "until": time.monotonic() + VALIDATE_WAIT_S}
+        self.validations[int(ev["id"])] = {
+            "asked": self._present(asked), "results": {}, "links": {}, "phase": "nodes",
+            "across": sorted({(min(a, b), max(a, b)) for a, b in edges if node(a) != node(b)}),
+            "until": time.monotonic() + VALIDATE_WAIT_S}
+        self._command("validate", ev["time_ns"], {k: ev.get(k) for k in (
+            "id", "devices", "edges", "reason")})
+
+    def _present(self, nodes) -> set:
+        return {n for n in nodes if n and not self.nodes.get(n, NodeState("", 0)).lost}
+
+    def _command(self, kind: str, t_ns: int, data: dict) -> None:
         if not self.muted:
-            self.r.xadd(self.cmd, {"kind": "validate", "epoch": self.epoch, "t": ev["time_ns"],
-                                   "data": json.dumps({k: ev.get(k) for k in (
-                                       "id", "devices", "edges", "reason")})},
+            self.r.xadd(self.cmd, {"kind": kind, "epoch": self.epoch, "t": t_ns,
+                                   "data": json.dumps(data)},
                         maxlen=CMD_MAXLEN, approximate=True)
+
+    def _links_store(self, m: Message) -> None:
+        v = self.validations.get(int(m.data["request"]))
+        if v is not None and v["phase"] == "links":
+            self._command("links_join", m.t_ns, {"id": int(m.data["request"]),
+                                                 "addr": m.data["addr"], "port": m.data["port"]})
 
     def _validations_done(self, now: float) -> None:
         for rid, v in list(self.validations.items()):
-            if v["asked"] <= set(v["results"]) or now >= v["until"]:
+            answered = v["asked"] <= set(v["results"])
+            if v["phase"] == "nodes" and (answered or now >= v["until"]):
+                node = self.node_of_rank
+                group = sorted({r for e in v["across"] for r in e})
+                involved = {node(r) for r in group}
+                v["silent"] = sorted(v["asked"] - set(v["results"]))
+                if v["across"] and involved == self._present(involved):
+                    v.update(phase="links", asked=involved,
+                             until=time.monotonic() + VALIDATE_WAIT_S)
+                    self._command("links", self.now_ns(), {"id": rid, "group": group,
+                                                           "edges": v["across"]})
+                    continue
+                v["phase"], answered = "links", True
+            if v["phase"] == "links" and (v["asked"] <= set(v["links"]) or now >= v["until"]
+                                          or answered and not v["across"]):
                 del self.validations[rid]
-                silent = sorted(v["asked"] - set(v["results"]))
-                self._hold(Validated(self.now_ns(), rid, merge_results(
-                    v["results"], v["across"] + [f"node {n}: no answer in {VALIDATE_WAIT_S:.0f} s"
-                                                 for n in silent])))
+                self._hold(Validated(self.now_ns(), rid, self._merged(v)))
+
+    def _merged(self, v: dict) -> dict:
+        """Both phases' measurements as one, with the rank -> node map."""
+        out, links = merge_results(v["results"], []), merge_results(v["links"], [])
+        out["links"].update(links["links"])
+        out["rounds"] += next((r["rounds"] for r in v["links"].values() if r.get("rounds")), [])
+        out["untested"] += links["untested"]
+        out["paused_s"] = max(out["paused_s"], links["paused_s"])
+        for k in ("pauses", "seconds"):
+            out[k] += links[k]
+        node = self.node_of_rank
+        out["untested"] = ([f"{a}<->{b}: between nodes {node(a)} and {node(b)}, not measured"
+                            for a, b in v["across"] if f"{a}<->{b}" not in out["links"]]
+                           + [f"node {n}: no answer in {VALIDATE_WAIT_S:.0f} s"
+                              for n in v.get("silent", [])] + out["untested"])
+        ranks = {int(r) for r in out["devices"]} | {r for e in v["across"] for r in e} | {
+            int(r) for k in out["links"] for r in k.split("<->")}
+        out["nodes"] = {str(r): node(r) for r in sorted(ranks) if node(r)}
+        return out
 
 
 def merge_results(by_node: dict[str, dict], untested: list[str]) -> dict:

@@ -24,6 +24,10 @@ devices differ by a few percent, and a MAD of 0 would flag noise).
   pre-check), while the link failures of the field (a lane down, a
   renegotiated speed, a rate limit, a congested path) cost 2x or more.
   FALCON's 1.1x for "comm" flags noise on any shared host;
+- with many machines (a rank -> node map in the result), a *node's link* is
+  slow when even its fastest edge to another node is, by the same rule a
+  level up; it needs three nodes or more (with two, either end could be
+  the slow one) and explains its ranks' slow edges;
 - otherwise an *edge* is slow when it alone is >= EDGE_SLOW_RATIO (3x): a
   slow path between two hosts, not either host's link. One edge is weaker
   evidence than every edge of a rank: on a busy 2-core host an edge
@@ -87,15 +91,22 @@ class Result:
     pauses: int = 0                     # 2 when suspects were confirmed after a run
     seconds: float = 0.0
     measured_at_ns: int | None = None   # wall clock when measuring began
+    nodes: dict[int, str] = field(default_factory=dict)   # rank -> node (many machines)
+    between_nodes: bool = False         # one node's part of the links between nodes
 
     def to_dict(self) -> dict:
         """JSON-able (links keyed "A<->B"), for recordings."""
-        return {"devices": {str(r): d for r, d in sorted(self.devices.items())},
-                "links": {link_name(e): d for e, d in sorted(self.links.items())},
-                "rounds": [[list(e) for e in rnd] for rnd in self.rounds],
-                "untested": list(self.untested), "paused_s": self.paused_s,
-                "pauses": self.pauses, "seconds": self.seconds,
-                "measured_at_ns": self.measured_at_ns}
+        d = {"devices": {str(r): d for r, d in sorted(self.devices.items())},
+             "links": {link_name(e): d for e, d in sorted(self.links.items())},
+             "rounds": [[list(e) for e in rnd] for rnd in self.rounds],
+             "untested": list(self.untested), "paused_s": self.paused_s,
+             "pauses": self.pauses, "seconds": self.seconds,
+             "measured_at_ns": self.measured_at_ns}
+        if self.nodes:
+            d["nodes"] = {str(r): n for r, n in sorted(self.nodes.items())}
+        if self.between_nodes:
+            d["between_nodes"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Result":
@@ -107,7 +118,8 @@ class Result:
                    [[tuple(e) for e in rnd] for rnd in d.get("rounds", [])],
                    list(d.get("untested", [])), float(d.get("paused_s", 0.0)),
                    int(d.get("pauses", 0)), float(d.get("seconds", 0.0)),
-                   d.get("measured_at_ns"))
+                   d.get("measured_at_ns"), {int(r): n for r, n in d.get("nodes", {}).items()},
+                   bool(d.get("between_nodes", False)))
 
 
 def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
@@ -131,6 +143,23 @@ def _rank_links(rtt: dict):
             best[r] = min(best.get(r, v), v)
     if len(best) < 3:
         return None, {}
+    ref, _, slow = outliers(best, LINK_SLOW_RATIO)
+    return ref, slow
+
+
+def _node_links(rtt: dict, nodes: dict[int, str]):
+    """The same rule a level up, with many machines: a node's link (its NIC,
+    its switch port) bounds every edge between it and another node, so the
+    fastest of those is its link. -> (reference, {node: ratio} of the slow)."""
+    best: dict[str, float] = {}
+    for (a, b), v in rtt.items():
+        na, nb = nodes.get(a), nodes.get(b)
+        if na is None or nb is None or na == nb:
+            continue
+        for n in (na, nb):
+            best[n] = min(best.get(n, v), v)
+    if len(best) < 3:
+        return None, {}                 # two nodes: either end could be the slow one
     ref, _, slow = outliers(best, LINK_SLOW_RATIO)
     return ref, slow
 
@@ -175,10 +204,24 @@ def decide(res: Result, index: int | None = None) -> Diagnosis:
         causes.append(("computation", ranks, None,
                        "GEMM " + ", ".join(f"rank {r} x{slow_dev[r]:.2f}" for r in ranks)
                        + f" the reference ({ref:.2f} ms)"))
+    nref, slow_node = _node_links(rtt, res.nodes) if res.nodes else (None, {})
     lref, slow_rank_link = _rank_links(rtt)
+    if nref is not None:
+        details["node_link_reference_ms"] = round(nref, 4)
     if lref is not None:
         details["link_reference_ms"] = round(lref, 4)
-    if slow_rank_link:
+    if slow_node:
+        # (which explains its ranks' slow edges: the rules below would name
+        # them too, as a second cause)
+        names = sorted(slow_node)
+        ranks = sorted({r for e in rtt for r in e if res.nodes.get(r) in slow_node
+                        and res.nodes.get(e[0]) != res.nodes.get(e[1])})
+        what = ", ".join(f"node {n}" for n in names)
+        causes.append(("communication", ranks, what,
+                       f"every edge between {what} and the other nodes is slow (fastest x"
+                       + ", x".join(f"{slow_node[n]:.2f}" for n in names)
+                       + f" the reference {nref:.2f} ms round trip): the node's own link"))
+    elif slow_rank_link:
         ranks = sorted(slow_rank_link)
         name = ", ".join(f"rank {r}" for r in ranks)
         causes.append(("communication", ranks, name,

@@ -26,8 +26,8 @@ short pause after the job has run CONFIRM_AFTER_S; it keeps its best time.
 Every wait has a deadline; workers are killed on every exit path and
 whatever could not be measured is reported as such.
 
-The decision rules are pure and live in greyhound_bpf.diagnosis.rules;
-the host plumbing (pause, lock, cgroups) in greyhound_bpf.diagnosis.host.
+The decision rules are pure (diagnosis.rules); the host plumbing (pause,
+lock, cgroups) is diagnosis.host; links between nodes, diagnosis.crosslinks.
 """
 from __future__ import annotations
 
@@ -57,11 +57,9 @@ CONFIRM_AFTER_S = 3.0
 CONFIRM_SKIP_RATIO = 3.0
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
 # Workers start in the idle CPU group, on CPU the job leaves unused; on a
-# machine the job saturates that may be none, so after this long the group
-# is made an ordinary one until they have started: all of them together
-# then weigh as one session, as the tracer's start-up does after
-# Background's watchdog (each in a session of its own, as before, four
-# workers took 80% of the CPU from a job in one).
+# saturated machine that may be none, so after this long the group is made
+# an ordinary one until they have started: together they then weigh as one
+# session (each in a session of its own, four took 80% of a job's CPU).
 IDLE_START_MAX_S = 10.0
 STEP_TIMEOUT_S = 15.0        # one benchmark command
 
@@ -461,95 +459,3 @@ def precheck_members(world: int) -> list[Member]:
                    env={"MASTER_ADDR": "127.0.0.1",
                         **({"CUDA_VISIBLE_DEVICES": gpus[r].uuid} if gpus else {})},
                    placement=f"GPU {gpus[r].index}" if gpus else "") for r in range(world)]
-
-# -- a warm pool for a live job -----------------------------------------------------
-
-class Service:
-    """Validation for `attach`: one background thread that measures on
-    request. Workers for the job's ranks are started at the first request
-    (importing torch costs CPU seconds: a healthy job never pays them) and
-    kept idle afterwards (blocked on a pipe, SCHED_IDLE); they are started
-    again when the ranks change or one died. Workers on GPUs are not kept:
-    each holds a CUDA context (hundreds of MiB, and none at all under
-    EXCLUSIVE_PROCESS or on a nearly full GPU), so they exit after every
-    validation, and the job's GPUs hold nothing of ours in between.
-
-    Calls come from the tracer's thread and never block it; what happens
-    comes back through `post(kind, payload)`: ("activity", (id, what,
-    start_ns, end_ns)) for our spans, ("progress", text), and ("result",
-    (request id, Result)) once a request is measured."""
-
-    def __init__(self, post, clock, pause_max_s: float = PAUSE_MAX_S,
-                 python: str = sys.executable, idle_group: IdleGroup | None = None):
-        import queue
-        import threading
-        self.post, self.pause_max_s, self.python = post, pause_max_s, python
-        self.idle_group = idle_group
-        self.report = SpanReport(lambda *span: post("activity", span), clock)
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.key: tuple | None = None          # the (rank, pid, device) set the pool is for
-        self.pool: Validator | None = None
-        self.closing = False
-        self.thread = threading.Thread(target=self._run, name="greyhound-validate",
-                                       daemon=True)
-        self.thread.start()
-
-    def request(self, request_id: int, members: list[Member],
-                edges: list[tuple[int, int]], devices: list[int] | None = None) -> None:
-        """Measure these ranks' devices (all, or `devices`) and these edges
-        (workers started first, if need be); the result is posted."""
-        self.tasks.put(("measure", (request_id, members, edges, devices)))
-
-    def close(self) -> None:
-        self.closing = True
-        if self.pool is not None:
-            self.pool.cancel()
-        self.tasks.put(("close", None))
-        self.thread.join(timeout=15)
-
-    def _run(self) -> None:
-        while True:
-            what, arg = self.tasks.get()
-            if what == "close" or self.closing:
-                if self.pool is not None:
-                    self.pool.close()
-                return
-            request_id = arg[0]
-            try:
-                res = self._measure(*arg)
-            except Exception as e:              # never take the tracer down
-                self.post("progress", f"validation failed: {type(e).__name__}: {e}")
-                res = Result(untested=[f"everything: {type(e).__name__}: {e}"])
-            if not self.closing:
-                self.post("result", (request_id, res))
-
-    def _measure(self, request_id: int, members: list[Member],
-                 edges: list[tuple[int, int]], devices: list[int] | None = None) -> Result:
-        key = tuple(sorted((m.rank, m.pid, m.device, m.env.get("CUDA_VISIBLE_DEVICES", ""))
-                           for m in members))
-        pool = self.pool
-        if pool is None or key != self.key or pool.broken or not pool.alive():
-            if pool is not None:
-                pool.close()
-            self.key = key
-            self.pool = pool = Validator(members, pause_max_s=self.pause_max_s,
-                                         report=self.report, python=self.python,
-                                         idle_group=self.idle_group,
-                                         progress=lambda msg: self.post("progress", msg))
-            untested = pool.start()
-            if not pool.ready:
-                self._drop_pool()
-                return Result(untested=untested or ["no validation workers"])
-            self.post("progress", f"{len(pool.ready)} validation workers ready")
-        else:
-            untested = []
-        res = pool.measure(edges, devices)
-        res.untested = untested + res.untested
-        if any(m.device.startswith("cuda") for m in members):
-            self._drop_pool()
-        return res
-
-    def _drop_pool(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        self.pool, self.key = None, None

@@ -5,7 +5,8 @@ The controller starts it inside the rank's network namespace (nsenter),
 moves it into the rank's cgroups and CPU affinity, and then talks to it in
 JSON lines on stdin/stdout:
 
-    <- {"port": P}                         rank 0 only: its store listens on P
+    <- {"port": P, "addr": A}              rank 0 only: its store listens on P; A is
+                                           its address toward MASTER_ADDR (other hosts)
     -> {"cmd": "join", "addr": A, "port": P}
     <- {"ready": true, "device": "cpu"}
     -> {"cmd": "gemm", "seconds": 0.3}
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -33,6 +35,19 @@ GEMM_N = 512                 # square float32 matmul on a CPU: 268 MFLOP
 GEMM_N_GPU = 4096            # on a GPU: 137 GFLOP, long enough to time
 LATENCY_BYTES = 8
 LATENCY_REPS = 20
+
+
+def address_toward(host: str | None) -> str | None:
+    """This namespace's source address on the route to `host` (a UDP
+    connect sends nothing): where workers on other hosts reach our store."""
+    if not host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 def reply(doc: dict) -> None:
@@ -90,7 +105,8 @@ class Worker:
             self.store = dist.TCPStore("0.0.0.0", 0, self.world, is_master=True,
                                        timeout=timedelta(seconds=self.timeout),
                                        wait_for_workers=False)
-            reply({"port": self.store.port})
+            reply({"port": self.store.port,
+                   "addr": address_toward(os.environ.get("MASTER_ADDR"))})
 
     def sync(self) -> None:
         if self.device.type == "cuda":
