@@ -195,6 +195,8 @@ def decide(res: Result, index: int | None = None) -> Diagnosis:
                        "edge_slow_ratio": EDGE_SLOW_RATIO,
                        "robust_z": ROBUST_Z, "mad_floor": MAD_FLOOR},
     }
+    if res.nodes:
+        details["nodes"] = {str(r): n for r, n in sorted(res.nodes.items())}
     causes = []
     ref, _, slow_dev = outliers(gemm) if len(gemm) >= 2 else (None, None, {})
     if ref is not None:
