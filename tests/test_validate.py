@@ -95,13 +95,24 @@ def test_a_node_whose_every_edge_to_the_others_is_slow_has_the_slow_link():
     assert (d["cause"], d["link"]) == ("communication", "1<->2, 3<->4")
 
 
-def test_two_nodes_cannot_say_whose_link_it_is():
-    rtt = {(0, 1): 3.0, (1, 2): 60.0, (2, 3): 2.9, (0, 3): 58.0}
-    res = result({r: 3.0 for r in range(4)}, rtt)
-    res.nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+def test_edges_between_nodes_are_judged_against_their_own_kind():
+    """Two nodes of two ranks: the edges between them (a NIC) are 3x the
+    edges inside them (loopback, NVLink) by nature, which is no fault; a
+    slow device is still named alone. And with two nodes, both edges
+    between them slow cannot say whose link it is (nothing to compare)."""
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    res = result({0: 3.0, 1: 3.0, 2: 9.0, 3: 3.1},
+                 {(0, 1): 3.0, (1, 2): 9.0, (2, 3): 2.9, (0, 3): 9.3})
+    res.nodes = nodes
     d = decide(res)
-    assert d["link"] != "node a" and d["link"] != "node b"
-    assert (d["cause"], d["link"]) == ("communication", "0<->3, 1<->2")
+    assert (d["cause"], d["ranks"], d["link"]) == ("computation", [2], None), d["reason"]
+    res.nodes = {}                                   # (one machine's rules: links slow too)
+    assert decide(res)["cause"] == "unknown"
+    res = result({r: 3.0 for r in range(4)}, {(0, 1): 3.0, (1, 2): 60.0, (2, 3): 2.9,
+                                              (0, 3): 58.0})
+    res.nodes = nodes
+    d = decide(res)
+    assert (d["cause"], d["link"]) == ("unknown", None), d["reason"]
 
 
 def test_healthy_noise_is_unknown():

@@ -27,7 +27,10 @@ devices differ by a few percent, and a MAD of 0 would flag noise).
 - with many machines (a rank -> node map in the result), a *node's link* is
   slow when even its fastest edge to another node is, by the same rule a
   level up; it needs three nodes or more (with two, either end could be
-  the slow one) and explains its ranks' slow edges;
+  the slow one) and explains its ranks' slow edges. With the map, edges
+  inside a node and edges between nodes are judged apart (loopback or
+  NVLink against a NIC: every edge between nodes would read slow next to
+  the ones inside);
 - otherwise an *edge* is slow when it alone is >= EDGE_SLOW_RATIO (3x): a
   slow path between two hosts, not either host's link. One edge is weaker
   evidence than every edge of a rank: on a busy 2-core host an edge
@@ -174,6 +177,29 @@ def link_suspects(rtt: dict) -> set:
     return out
 
 
+def _link_cause(rtt: dict, details: dict, key: str):
+    """A rank's link (every edge of the rank slow), else one slow edge,
+    among these edges: a cause tuple, or None."""
+    lref, slow_rank_link = _rank_links(rtt)
+    if lref is not None:
+        details[key] = round(lref, 4)
+    if slow_rank_link:
+        ranks = sorted(slow_rank_link)
+        name = ", ".join(f"rank {r}" for r in ranks)
+        return ("communication", ranks, name, f"every edge of {name} is slow (fastest x"
+                + ", x".join(f"{slow_rank_link[r]:.2f}" for r in ranks)
+                + f" the reference {lref:.2f} ms round trip): its own link")
+    if len(rtt) >= 3:
+        _, _, slow_edges = outliers(rtt, EDGE_SLOW_RATIO)
+        if slow_edges:
+            edges = sorted(slow_edges)
+            return ("communication", sorted({r for e in edges for r in e}),
+                    ", ".join(map(link_name, edges)),
+                    "edge " + ", ".join(f"{link_name(e)} x{slow_edges[e]:.2f}" for e in edges)
+                    + " the reference round trip; both ends' other edges are fast")
+    return None
+
+
 def link_name(edge: tuple[int, int]) -> str:
     return f"{edge[0]}<->{edge[1]}"
 
@@ -206,39 +232,30 @@ def decide(res: Result, index: int | None = None) -> Diagnosis:
         causes.append(("computation", ranks, None,
                        "GEMM " + ", ".join(f"rank {r} x{slow_dev[r]:.2f}" for r in ranks)
                        + f" the reference ({ref:.2f} ms)"))
-    nref, slow_node = _node_links(rtt, res.nodes) if res.nodes else (None, {})
-    lref, slow_rank_link = _rank_links(rtt)
-    if nref is not None:
-        details["node_link_reference_ms"] = round(nref, 4)
-    if lref is not None:
-        details["link_reference_ms"] = round(lref, 4)
-    if slow_node:
-        # (which explains its ranks' slow edges: the rules below would name
-        # them too, as a second cause)
-        names = sorted(slow_node)
-        ranks = sorted({r for e in rtt for r in e if res.nodes.get(r) in slow_node
-                        and res.nodes.get(e[0]) != res.nodes.get(e[1])})
-        what = ", ".join(f"node {n}" for n in names)
-        causes.append(("communication", ranks, what,
-                       f"every edge between {what} and the other nodes is slow (fastest x"
-                       + ", x".join(f"{slow_node[n]:.2f}" for n in names)
-                       + f" the reference {nref:.2f} ms round trip): the node's own link"))
-    elif slow_rank_link:
-        ranks = sorted(slow_rank_link)
-        name = ", ".join(f"rank {r}" for r in ranks)
-        causes.append(("communication", ranks, name,
-                       f"every edge of {name} is slow (fastest x"
-                       + ", x".join(f"{slow_rank_link[r]:.2f}" for r in ranks)
-                       + f" the reference {lref:.2f} ms round trip): its own link"))
-    elif len(rtt) >= 3:
-        _, _, slow_edges = outliers(rtt, EDGE_SLOW_RATIO)
-        if slow_edges:
-            edges = sorted(slow_edges)
-            causes.append(("communication", sorted({r for e in edges for r in e}),
-                           ", ".join(map(link_name, edges)),
-                           "edge " + ", ".join(f"{link_name(e)} x{slow_edges[e]:.2f}"
-                                               for e in edges)
-                           + " the reference round trip; both ends' other edges are fast"))
+    classes = [("link_reference_ms", rtt)]
+    if res.nodes:
+        # Links inside a node (NVLink, loopback) and between nodes (a NIC, a
+        # switch) are different kinds: each is judged against its own.
+        inside = {e: v for e, v in rtt.items() if res.nodes.get(e[0]) == res.nodes.get(e[1])}
+        between = {e: v for e, v in rtt.items() if e not in inside}
+        classes = [("link_reference_ms", inside)]
+        nref, slow_node = _node_links(between, res.nodes)
+        if nref is not None:
+            details["node_link_reference_ms"] = round(nref, 4)
+        if slow_node:
+            names = sorted(slow_node)
+            ranks = sorted({r for e in between for r in e if res.nodes.get(r) in slow_node})
+            what = ", ".join(f"node {n}" for n in names)
+            causes.append(("communication", ranks, what,
+                           f"every edge between {what} and the other nodes is slow (fastest x"
+                           + ", x".join(f"{slow_node[n]:.2f}" for n in names)
+                           + f" the reference {nref:.2f} ms round trip): the node's own link"))
+        else:                            # (a slow node link explains its edges)
+            classes.append(("between_nodes_link_reference_ms", between))
+    for key, part in classes:
+        cause = _link_cause(part, details, key)
+        if cause:
+            causes.append(cause)
     if len(causes) == 1:
         cause, ranks, link, reason = causes[0]
         return Diagnosis("validation", cause, reason, index, tuple(ranks), link=link,
