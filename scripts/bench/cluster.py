@@ -7,7 +7,10 @@ The job model runs on the wall clock: a data-parallel job whose ranks each
 compute (BASE_MS x noise; rank 0 a little more), then meet in an all-reduce
 that ends when the slowest has arrived, plus the collective's own time. A
 rank's `comm_ns` is its wait plus the collective, as the probes see it. A
-compute fault multiplies one rank's compute by FACTOR from FAULT_AT_S on.
+compute fault (`--fault compute`, the default) multiplies one rank's compute
+by FACTOR from HEALTHY_S on; a link fault (`--fault link`) one node's link
+by LINK_FACTOR: a ring all-reduce runs at its slowest link, so every rank's
+collective takes that much longer.
 Every agent process computes the whole job from the seed (the collective
 needs every rank) and publishes its own nodes', four batches a second, with
 a heartbeat a second per node.
@@ -20,11 +23,15 @@ Reported per size, in one run, with the truth the simulator knows:
 - latency: from an iteration's end to the controller's event it caused
   (agent batching, the controller's hold, its processing), median and max;
 - detection: time from the fault's onset to the verdict naming its rank and
-  node, verdicts naming anything else, and named verdicts while healthy;
+  node (a link fault: the verdict `communication`; passively the slow node
+  cannot be told from the others, every rank waits alike: validation's
+  links between nodes name it, tests/test_cluster_live.py), verdicts naming
+  anything else, and named verdicts while healthy;
 - Redis memory at the end.
 
     scripts/bench_cluster                          # 64, 1,024 and 8,192 ranks
     scripts/bench_cluster --nodes 1024 --seed 3    # one size
+    scripts/bench_cluster --fault link             # a node's slow link
 """
 from __future__ import annotations
 
@@ -52,24 +59,28 @@ PER_NODE = 8
 # A large job's iteration takes seconds (8,192 GPUs run a large model): 1.2 s.
 BASE_MS, COLL_MS = 1000.0, 200.0
 FACTOR = 1.8
+LINK_FACTOR = 4.0
 HEALTHY_S, FAULT_S = 30.0, 40.0
 FLUSH_S, HEARTBEAT_S = 0.25, 1.0
 
 
 # -- the job model ------------------------------------------------------------------
 
-def iteration(rng: np.random.Generator, ranks: int, faulty: int | None) -> tuple:
-    """(per-rank compute ms, the iteration's ms)."""
+def iteration(rng: np.random.Generator, ranks: int, fault: tuple | None) -> tuple:
+    """(per-rank compute ms, the iteration's ms); `fault`: ("compute",
+    rank) or ("link", node), or None."""
     c = BASE_MS * np.clip(1 + 0.03 * rng.standard_normal(ranks), 0.8, 1.3)
     c[0] *= 1.02
-    if faulty is not None:
-        c[faulty] *= FACTOR
+    if fault is not None and fault[0] == "compute":
+        c[fault[1]] *= FACTOR
     coll = COLL_MS * max(0.5, 1 + 0.05 * rng.standard_normal())
+    if fault is not None and fault[0] == "link":
+        coll *= LINK_FACTOR
     return c, float(c.max() + coll)
 
 
 def agents(url: str, password: str, nodes: list[int], world: int, seed: int, t0: float,
-           fault_rank: int) -> None:
+           fault: tuple) -> None:
     """One agent process: the nodes `nodes`' agents."""
     import redis
 
@@ -89,8 +100,7 @@ def agents(url: str, password: str, nodes: list[int], world: int, seed: int, t0:
     next_flush = next_hb = time.monotonic()
     end = t0 + HEALTHY_S + FAULT_S
     while time.monotonic() < end:
-        faulty = fault_rank if time.monotonic() - t0 >= HEALTHY_S else None
-        c, dur = iteration(rng, world, faulty)
+        c, dur = iteration(rng, world, fault if time.monotonic() - t0 >= HEALTHY_S else None)
         end_ns = start_ns + int(dur * 1e6)
         # Publish, a few times a second, until this iteration has ended.
         while True:
@@ -169,11 +179,12 @@ def cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_size(nodes: int, procs: int, seed: int, work: Path) -> dict:
+def run_size(nodes: int, procs: int, seed: int, work: Path, kind: str = "compute") -> dict:
     from harness import JsonlTail
     world = nodes * PER_NODE
     rng = np.random.default_rng(seed)
     fault_rank = int(rng.integers(1, world))
+    fault = ("compute", fault_rank) if kind == "compute" else ("link", fault_rank // PER_NODE)
     redis = Redis(work)
     events_path = work / "controller.jsonl"
     ctl = subprocess.Popen(
@@ -189,7 +200,7 @@ def run_size(nodes: int, procs: int, seed: int, work: Path) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context("fork")
     sims = [ctx.Process(target=agents, args=(redis.url, redis.pw["sim-agents"], g, world,
-                                             seed + 1, t0, fault_rank)) for g in groups if g]
+                                             seed + 1, t0, fault)) for g in groups if g]
     for p in sims:
         p.start()
     fault_wall_ns = time.time_ns() + int((t0 + HEALTHY_S - time.monotonic()) * 1e9)
@@ -212,13 +223,18 @@ def run_size(nodes: int, procs: int, seed: int, work: Path) -> dict:
     evs = tail.read()
     lat = [(arrived[i] - e["time_ns"]) / 1e9 for i, e in enumerate(evs)
            if e["kind"] in ("slowdown", "recovery", "diagnosis") and i in arrived]
-    named = [(i, e) for i, e in enumerate(evs) if e["kind"] == "diagnosis" and e.get("ranks")]
-    right = [(i, e) for i, e in named if e["ranks"] == [fault_rank]
-             and e.get("nodes") == [f"n{fault_rank // PER_NODE}"] and e["time_ns"] >= fault_wall_ns]
+    named = [(i, e) for i, e in enumerate(evs) if e["kind"] == "diagnosis"
+             and (e.get("ranks") or e["cause"] != "unknown")]
+    if kind == "compute":
+        right = [(i, e) for i, e in named if e["ranks"] == [fault_rank] and e["time_ns"] >=
+                 fault_wall_ns and e.get("nodes") == [f"n{fault_rank // PER_NODE}"]]
+    else:
+        right = [(i, e) for i, e in named if e["cause"] == "communication"
+                 and e["time_ns"] >= fault_wall_ns]
     wrong = [e for i, e in named if (i, e) not in right]
     census = [e for e in evs if e["kind"] == "census"]
     return {"nodes": nodes, "ranks": world, "agent_processes": len(sims),
-            "fault_rank": fault_rank,
+            "fault": list(fault),
             "census_complete": bool(census and census[-1]["complete"]),
             "controller_cpu_per_s": round(cpu, 3),
             "latency_median_s": round(statistics.median(lat), 2) if lat else None,
@@ -238,6 +254,8 @@ def main() -> int:
                     help="nodes (x8 ranks), repeatable (default 8, 128, 1024)")
     ap.add_argument("--procs", type=int, default=4, help="agent processes (default 4)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fault", choices=("compute", "link"), default="compute",
+                    help="one rank's compute x1.8 (default), or one node's link x4")
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = ap.parse_args()
     rows = []
@@ -245,7 +263,7 @@ def main() -> int:
           f"{'found in':>8} {'right':>5} {'wrong':>5} {'healthy':>7} {'redis':>8}", flush=True)
     for n in a.nodes or [8, 128, 1024]:
         d = Path(tempfile.mkdtemp(prefix="gh-bench-cluster-"))
-        r = run_size(n, min(a.procs, n), a.seed, d)
+        r = run_size(n, min(a.procs, n), a.seed, d, a.fault)
         if r["right"]:
             shutil.rmtree(d)
         else:
@@ -258,8 +276,8 @@ def main() -> int:
               flush=True)
     print(f"(controller CPU: seconds per second of job time; 1.00 is one core, its limit. "
           f"latency: an iteration's end to the controller's event; found in: the fault's "
-          f"onset to the verdict naming its rank and node; healthy: named verdicts before "
-          f"the fault; seed {a.seed})")
+          f"onset to the verdict naming its rank and node (a link: `communication`); "
+          f"healthy: named verdicts before the fault; {a.fault} fault, seed {a.seed})")
     if a.json:
         print(json.dumps(rows))
     return 0 if all(r["right"] and not r["wrong_verdicts"] for r in rows) else 1

@@ -1,4 +1,4 @@
-"""S2 solver time at 8..1024 data-parallel ranks, both sides in one run.
+"""S2 solver time at 8..8,192 data-parallel ranks, both sides in one run.
 
 Ours: `mitigation.rebalance.solve` (cvxpy + HiGHS MIP, bounded by the greedy
 water-filling split). Peer: the same MIP without those bounds (what a plain
@@ -36,7 +36,7 @@ def plain_mip(t: np.ndarray, total: int, limit: float) -> tuple[float, float, st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 512, 1024])
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 512, 1024, 8192])
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--limit", type=float, default=10.0, help="peer's time limit (s)")
     args = p.parse_args(argv)
