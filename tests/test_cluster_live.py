@@ -225,9 +225,11 @@ def _run_links(tmp_path, bed, redis, tracer, procs):
         rank_pids(jobs[i].pid)), 120, f"node n{i}'s rank") for i in range(3)}
     on_n1 = next(iter(rank[1]))
     events_path = tmp_path / "controller.jsonl"
+    recording = tmp_path / "controller.rec.gz"
     procs.append(subprocess.Popen(
         [*GREYHOUND, "controller", "--cluster", redis.url, "--job", "ghlk",
-         "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path)],
+         "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path),
+         "--record", str(recording)],
         cwd=ROOT, stdout=open(tmp_path / "controller.out", "w"), stderr=subprocess.STDOUT,
         start_new_session=True))
     events = JsonlTail(events_path)
@@ -274,3 +276,12 @@ def _run_links(tmp_path, bed, redis, tracer, procs):
     assert "undone" in out, out
     for a in agents:
         a.stop()
+    # The controller's analysis is replayable: its recording gives its verdicts.
+    procs[0].send_signal(signal.SIGINT)
+    procs[0].wait(30)
+    from greyhound_bpf.replay import replay
+    said = [(e["kind"], e.get("cause"), e.get("link"), e.get("ranks")) for e in events.read()
+            if e["kind"] in ("slowdown", "diagnosis")]
+    again = [(e["kind"], e.get("cause"), e.get("link"), e.get("ranks"))
+             for e in replay(str(recording)) if e["kind"] in ("slowdown", "diagnosis")]
+    assert again == said

@@ -131,6 +131,9 @@ def add_controller_parser(sub, output_args, positive) -> None:
     c.add_argument("--iterations", action="store_true",
                    help="also write every rank's iterations to the JSON lines")
     c.add_argument("--duration", type=positive, metavar="S", help="stop after S seconds")
+    c.add_argument("--record", metavar="FILE",
+                   help="record every input of the job's analysis to FILE (.gz: compressed), "
+                        "for greyhound-trace replay")
     c.add_argument("--no-validate", action="store_true",
                    help="never ask the agents to measure devices and links (verdicts are "
                         "then passive only)")
@@ -178,7 +181,13 @@ def cmd_controller(args, json_target) -> int:
 
     config = AnalysisConfig(validate=not args.no_validate, mitigate=args.mitigate,
                             microbatches=args.microbatches, restart_estimate_s=args.restart_cost)
-    analysis = JobAnalysis(load_catalog(), job, config)    # (seconds of imports: before leading)
+    catalog = load_catalog()
+    analysis = JobAnalysis(catalog, job, config)    # (seconds of imports: before leading)
+    recorder = None
+    if args.record:
+        from ..recording import Recorder, header
+        recorder = Recorder(args.record, header(job, config, catalog, producer="controller"),
+                            catalog)
     holder = f"{socket.gethostname()}-{os.getpid()}"
     lease = Lease(r, job, holder)
     stop = time.monotonic() + args.duration if args.duration else None
@@ -207,7 +216,8 @@ def cmd_controller(args, json_target) -> int:
                         writer.stamp = {"producer": f"controller:{holder}:{lease.epoch}"}
                 renew[0] = time.monotonic() + LEASE_MS / 3000
         ctl = Controller(r, job, analysis, out, say, nodes=nodes, consumer=holder,
-                         epoch=lease.epoch, mitigate=args.mitigate, keepalive=keepalive)
+                         epoch=lease.epoch, mitigate=args.mitigate, keepalive=keepalive,
+                         record=recorder and recorder.write)
         if writer:
             writer.stamp = {"producer": f"controller:{holder}:{lease.epoch}"}
         n = ctl.start()
@@ -228,8 +238,9 @@ def cmd_controller(args, json_target) -> int:
                     away = time.monotonic()
                 time.sleep(1.0)
                 continue
-            if writer:
-                writer.flush()
+            for w in (writer, recorder):
+                if w:
+                    w.flush()
             keepalive()
     except KeyboardInterrupt:
         pass
@@ -239,8 +250,11 @@ def cmd_controller(args, json_target) -> int:
                 lease.release()
             except Exception:
                 pass
-        if writer:
-            writer.close()
+        for w in (writer, recorder):
+            if w:
+                w.close()
+    if recorder and recorder.error:
+        say(f"the recording stopped: {recorder.error} ({recorder.dropped} input(s) not written)")
     if ctl is not None:
         say(f"stopped: {ctl.plans} plan(s) published, {len(ctl.nodes)} node(s) seen")
     return 0

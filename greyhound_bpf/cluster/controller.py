@@ -93,7 +93,7 @@ class NodeState:
 class Controller:
     def __init__(self, r, job: str, analysis: JobAnalysis, out, say, *, nodes=(),
                  consumer: str = "controller-1", epoch: int = 0, mitigate: bool = False,
-                 now_ns=time.time_ns, keepalive=None):
+                 now_ns=time.time_ns, keepalive=None, record=None):
         self.r, self.job, self.analysis, self.out, self.say = r, job, analysis, out, say
         self.bus = ControllerBus(r, job, list(nodes), consumer)
         self.inputs = JobInputs()
@@ -102,6 +102,7 @@ class Controller:
         # Called at least every KEEPALIVE_S while the controller works (the
         # lease is renewed through it while a long rebuild or backlog runs).
         self.keepalive, self._kept = keepalive, time.monotonic()
+        self.record = record                 # every input of the analysis (--record)
         self.cmd = commands_stream(job)
         self.held: list = []                 # (t_ns, order, received, input)
         self.data_t: dict[str, int] = {}     # node -> the latest data time it sent
@@ -252,6 +253,8 @@ class Controller:
         if self.keepalive is not None and time.monotonic() - self._kept >= KEEPALIVE_S:
             self.keepalive()
             self._kept = time.monotonic()
+        if self.record is not None:
+            self.record(inp)
         for ev in self.analysis.feed(inp):
             self._route(ev)
 
