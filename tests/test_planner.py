@@ -8,8 +8,9 @@ from greyhound_bpf.diagnosis.verdict import Diagnosis
 S = 10**9
 
 
-def slow(p, at_s):
-    p.observe({"kind": "slowdown", "scope": "job", "onset_ns": at_s * S, "time_ns": at_s * S})
+def slow(p, at_s, ratio=1.2):
+    p.observe({"kind": "slowdown", "scope": "job", "onset_ns": at_s * S, "time_ns": at_s * S,
+               "ratio": ratio})
 
 
 def named(rank=2):
@@ -92,3 +93,18 @@ def test_the_pause_budget_holds_over_any_ten_minutes():
     assert p.paused_in_window(60 * S) == 3.5 + 2 * RECHECK_PAUSE_S
     # Ten minutes after the first pause, it has room again.
     assert phases(p.tick(int(610 * S))) == ["request"]
+
+
+def test_a_large_slowdown_the_passive_look_calls_small_is_validated_if_it_lasts():
+    """The job x5 slower, the passive windows +3% (its onset placed late,
+    the "before" already slow: seen live on a controller): they disagree, so
+    the verdict is one that names nothing, validated once the slowdown has
+    lasted; a small slowdown's below-minimum verdict is still let go."""
+    p = ValidationPlanner()
+    slow(p, 0, ratio=5.2)
+    assert phases(p.consider(unknown(below_min_ratio=True), 3 * S)) == ["deferred"]
+    assert phases(p.tick(int((PERSIST_S + 1) * S))) == ["request"]
+    p = ValidationPlanner()
+    slow(p, 0, ratio=1.15)
+    assert p.consider(unknown(below_min_ratio=True), 3 * S) == []
+    assert p.tick(int((PERSIST_S + 1) * S)) == []

@@ -5,7 +5,10 @@ answers with requests (`validation` events) that the validator serves.
 
 - A passive verdict is validated while its slowdown lasts, or whenever it
   names a cause (a rebalance hides a slow rank, it does not fix it). One
-  less than the passive rules' minimum (`below_min_ratio`) is not.
+  less than the passive rules' minimum (`below_min_ratio`) is not, unless
+  the job's own slowdown is DISAGREE_RATIO or more: then the passive
+  windows missed the fault (its onset placed late, the "before" already
+  slow) and the verdict counts as naming nothing (validated if it lasts).
 - A verdict that names nothing is validated only once its slowdown has
   lasted PERSIST_S: a busy host's episodes pass in seconds (they are most
   such verdicts), a fault lasts (a slow link, which looks like every rank
@@ -33,6 +36,10 @@ BACKOFF_MAX_S = 600.0
 # Longest a host's own slow episode lasted on this project's 2-core VMs (CI,
 # bench_diagnosis: collective shifts of 20-40% for up to 17 s).
 PERSIST_S = 20.0
+# A job slowdown this large (the detector's after/before) is beyond what a
+# busy shared host does (passive.py calls under 25% too small to name): a
+# passive look that finds under 10% of it contradicts it.
+DISAGREE_RATIO = 1.25
 # A validation's pause, until one has been measured: a CPU machine's GEMMs
 # and p2p rounds take 2-3 s (README, bench_diagnosis), a GPU's less.
 EXPECTED_PAUSE_S = 3.0
@@ -69,6 +76,7 @@ class ValidationPlanner:
     backoff_s: float = 0.0
     not_before_ns: int = 0
     slow_since_ns: int | None = None             # onset of the job slowdown in progress
+    slow_ratio: float = 1.0                      # its size (after / before)
     named_at_ns: int | None = None               # when validation last named a cause
     _next_id: int = 1
     _last_pause_s: float = EXPECTED_PAUSE_S      # all the pauses of the last validation
@@ -83,8 +91,9 @@ class ValidationPlanner:
         if ev["kind"] == "slowdown" and self.slow_since_ns is None:
             onset = ev.get("onset_ns")
             self.slow_since_ns = int(onset if onset is not None else ev["time_ns"])
+            self.slow_ratio = float(ev.get("ratio") or 1.0)
         elif ev["kind"] == "recovery":
-            self.slow_since_ns = None
+            self.slow_since_ns, self.slow_ratio = None, 1.0
 
     def pause(self, start_ns: int, end_ns: int) -> None:
         """A validation pause of the job, once over."""
@@ -98,7 +107,8 @@ class ValidationPlanner:
     def consider(self, v: Diagnosis, now_ns: int) -> list[dict]:
         """A passive verdict: a request or a deferral (`validation` event
         fields), or nothing."""
-        if not self.enabled or v.details.get("below_min_ratio"):
+        if not self.enabled or (v.details.get("below_min_ratio")
+                                and self.slow_ratio < DISAGREE_RATIO):
             return []
         if self.slow_since_ns is None and not v.named:
             return []             # the slowdown is over and nothing was named
