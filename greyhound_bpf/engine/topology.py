@@ -71,6 +71,7 @@ class Topology:
         self.gloo_calls: dict[int, int] = defaultdict(int)
         self._last: dict | None = None
         self.nodes: dict[str, dict] = {}                     # node -> its map (a controller's)
+        self._merged: tuple | None = None                    # (our own map, the merge)
 
     # -- input ----------------------------------------------------------------------
 
@@ -191,11 +192,19 @@ class Topology:
                           "nranks": len(ranks), "source": "call pattern", "parent": None,
                           "state": "ok"})
         out = {"communicators": comms, "p2p_edges": [list(e) for e in sorted(edges)]}
-        return merge_maps([out, *self.nodes.values()]) if self.nodes else out
+        if not self.nodes:
+            return out
+        # (merged again only when a map changed: the passive diagnoser asks
+        # several times an iteration, and a thousand nodes' maps take a while)
+        if self._merged is None or self._merged[0] != out:
+            self._merged = (out, merge_maps([out, *self.nodes.values()]))
+        return self._merged[1]
 
     def merge(self, node: str, fields: dict) -> None:
         """A node's map (its `topology` event): part of the job's."""
-        self.nodes[node] = fields
+        if self.nodes.get(node) != fields:
+            self.nodes[node] = fields
+            self._merged = None
 
     def changed(self) -> dict | None:
         """The new map when it differs from the last one returned, else None."""
@@ -230,20 +239,27 @@ def merge_maps(maps: list[dict]) -> dict:
     edges = {tuple(e) for m in maps for e in m.get("p2p_edges", [])}
     for (backend, key), cs in sorted(parts.items()):
         groups: list[dict] = []
+        open_: list[dict] = []           # groups with room left (an init's: under its size)
         for c in sorted(cs, key=lambda c: c["order"]):
             size = c.get("nranks") or 0
-            fits = next((g for g in groups if c["source"] != "init" or (
-                len(g["ranks"]) + len(c["ranks"]) <= size
-                and not {tuple(o) for o in g["order"]} & {tuple(o) for o in c["order"]})), None)
+            places = {tuple(o) for o in c["order"]}
+            fits = next((g for g in open_ if c["source"] != "init" or (
+                len(g["ranks"]) + len(c["ranks"]) <= size and not g["places"] & places)), None)
             if fits is None:
-                groups.append({**c, "ranks": list(c["ranks"]), "order": list(c["order"]),
-                               "failed": dict(c.get("failed", {}))})
-                continue
+                fits = {**c, "ranks": [], "order": [], "failed": {}, "p2p": [], "places": set()}
+                groups.append(fits)
+                open_.append(fits)
             fits["ranks"] += c["ranks"]
             fits["order"] += c["order"]
+            fits["places"] |= places
             fits["failed"].update(c.get("failed", {}))
-            fits["p2p"] = fits.get("p2p", []) + c.get("p2p", [])
+            fits["p2p"] += c.get("p2p", [])
+            if c["source"] == "init" and len(fits["ranks"]) >= size:
+                open_.remove(fits)
         for g in groups:
+            del g["places"]
+            if g["backend"] != "nccl":
+                del g["p2p"]
             placed = sorted(zip(g["order"], g["ranks"]))
             g["order"], g["ranks"] = [o for o, _ in placed], [r for _, r in placed]
             if g["source"] != "init":
