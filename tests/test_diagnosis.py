@@ -270,6 +270,24 @@ def test_a_quota_straggler_also_slow_in_its_own_collectives_is_named():
     assert [(v["cause"], v["ranks"]) for v in out] == [("computation", [2])]
 
 
+def test_a_straggler_just_under_the_share_that_stands_out_is_named():
+    # CI's numbers (a third of rank 2's CPU): its compute grew 13.4 ms of a
+    # 53.8 ms slowdown (0.249: under the 0.25 share), the others' 0.7-3.3 ms;
+    # everyone waits longer, rank 2 least.
+    d = PassiveDiagnoser()
+    feed(d, 30, [3.8, 4.7, 5.9, 6.8], [20.3, 19.4, 19.6, 18.5], noise=0.0)
+    d.observe(slowdown(30))
+    out = feed(d, 12, [5.8, 8.0, 19.3, 7.5], [73.3, 68.1, 59.2, 75.0], start=30, noise=0.0)
+    assert [(v["cause"], v["ranks"]) for v in out] == [("computation", [2])]
+    # Growth that does not stand out (another rank grew half as much) is
+    # still held to the share.
+    d = PassiveDiagnoser()
+    feed(d, 30, [3.8, 4.7, 5.9, 6.8], [20.3, 19.4, 19.6, 18.5], noise=0.0)
+    d.observe(slowdown(30))
+    out = feed(d, 12, [5.8, 11.4, 19.3, 7.5], [73.3, 68.1, 59.2, 75.0], start=30, noise=0.0)
+    assert [v["cause"] for v in out] != ["computation"]
+
+
 def test_a_rank_that_waits_as_long_as_the_others_is_no_straggler():
     d = PassiveDiagnoser()
     feed(d, 30, [9, 6, 11, 9], [19, 21, 17, 16], noise=0.0)

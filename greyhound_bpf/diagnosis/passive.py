@@ -5,7 +5,8 @@ compares each rank's compute and blocked (communication) time per iteration
 after the onset with before it:
 
 - **computation straggler**: one rank's compute grew by at least a quarter
-  of the slowdown (and by half its own value) while every other rank's
+  of the slowdown, or by 15% of it and 3x any other rank's growth (and by
+  half its own value) while every other rank's
   compute stayed flat and its blocked time grew by at least half of it, and
   by more than the straggler's (they wait for it in the collective;
   DESIGN.md: with synchronous gloo collectives the slow rank waits least);
@@ -63,6 +64,10 @@ GROW = 0.5        # the others' wait grew by >= this x the slowdown
 # share its cgroup), so part of its lost time shows there. A 4-rank job with
 # rank 2 at half its CPU: compute +13-21 ms of a 33-42 ms slowdown (0.32-0.51).
 STRAGGLER_SHARE = 0.25
+# ...or by >= OUTLIER_SHARE x the slowdown when it stands out: >= OUTLIER x
+# every other rank's growth. A third of rank 2's CPU in CI: +13.4 ms of a
+# 53.8 ms slowdown (0.249, just under the share) against +0.7-3.3 ms.
+OUTLIER_SHARE, OUTLIER = 0.15, 3.0
 FLAT = 0.25       # "did not grow": by less than this x the slowdown
 # A whole communicator is named slow only when its collectives take >= this
 # x as long as before (median rank). On a CPU host gloo's collectives are
@@ -261,7 +266,10 @@ class PassiveDiagnoser:
             details["below_min_ratio"] = True
             return verdict("unknown", f"over these windows the job is only {delta:+.1f} ms per "
                            f"iteration slower (under {100 * (self.min_ratio - 1):.0f}%)")
-        grew = [r for r, d in d_comp.items() if d >= STRAGGLER_SHARE * delta
+        def stands_out(r):
+            rest = max((d for q, d in d_comp.items() if q != r), default=0.0)
+            return d_comp[r] >= OUTLIER_SHARE * delta and d_comp[r] >= OUTLIER * max(rest, 1e-3)
+        grew = [r for r, d in d_comp.items() if (d >= STRAGGLER_SHARE * delta or stands_out(r))
                 and d >= REL_GROW * per[r]["compute_before_ms"]]
         # No one rank stands out: the host, the whole job or a whole
         # communicator (validation.planner validates those only if they last).
