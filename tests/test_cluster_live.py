@@ -46,13 +46,7 @@ def test_two_nodes_one_controller(tmp_path, tracer):
         try:
             _run(tmp_path, bed, redis, tracer, procs)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)
-                    try:
-                        p.wait(15)
-                    except subprocess.TimeoutExpired:
-                        kill_tree(p)
+            _stop(procs)
             redis.stop()
     assert bed.leftovers() == []
     # The kill -9'd agent's idle group outlives it until an attach starts
@@ -60,6 +54,17 @@ def test_two_nodes_one_controller(tmp_path, tracer):
     wait_for(lambda: not remove_stale_idle_groups(cpu_controller()) and
              set(leftover_groups()) <= set(before), 30, "no group left",
              why=lambda: leftover_groups())
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """The controller (and what else a test started), whatever happened."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                kill_tree(p)
 
 
 def _run(tmp_path, bed, redis, tracer, procs):
@@ -203,13 +208,7 @@ def test_three_nodes_one_slow_link(tmp_path, tracer):
         try:
             _run_links(tmp_path, bed, redis, tracer, procs)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)
-                    try:
-                        p.wait(15)
-                    except subprocess.TimeoutExpired:
-                        kill_tree(p)
+            _stop(procs)
             redis.stop()
         assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", bed.host_dev(1)],
                                            capture_output=True, text=True).stdout

@@ -24,7 +24,7 @@ import time
 
 from .host import Busy, MeasureLock, Member, Pause, SpanReport
 from .rules import Result, schedule
-from .workers import Worker, WorkerError
+from .workers import Worker, WorkerError, kill_now
 
 START_TIMEOUT_S = 60.0       # import torch (in the idle group) and answer
 RENDEZVOUS_S = 60.0          # the store's address, from the controller
@@ -53,9 +53,7 @@ class CrossLinks:
 
     def cancel(self) -> None:
         self.cancelled = True
-        for w in list(self.workers.values()):
-            if w.proc.poll() is None:
-                w.proc.kill()
+        kill_now(self.workers.values())
 
     def run(self) -> Result:
         t0 = time.monotonic()

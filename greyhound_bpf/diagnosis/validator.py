@@ -40,7 +40,7 @@ from ..probe.discovery import read_stat
 from .gpus import nvml_gpus, wait_drained
 from .cpu import IdleGroup
 from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of, netns_id
-from .workers import Worker, WorkerError, check_python  # noqa: F401  (check_python: the CLI's)
+from .workers import Worker, WorkerError, check_python, kill_now  # noqa: F401  (check_python: the CLI's)
 from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
 
 P2P_BYTES = 4 << 20
@@ -99,9 +99,7 @@ class Validator:
         """From another thread: kill the workers; run() then returns at once
         (every read fails) and resumes the job on its way out."""
         self.cancelled = True
-        for w in list(self.workers.values()):
-            if w.proc.poll() is None:
-                w.proc.kill()
+        kill_now(self.workers.values())
 
     def run(self) -> Result:
         """Start, measure once, stop: `greyhound-trace validate`."""

@@ -168,3 +168,11 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self.err.close()
+
+
+def kill_now(workers) -> None:
+    """From another thread (a cancel): kill them at once; their owner's
+    reads then fail and it cleans up on its way out."""
+    for w in list(workers):
+        if w.proc.poll() is None:
+            w.proc.kill()
