@@ -57,7 +57,7 @@ from collections import deque
 
 from greyhound_bpf.events import is_speed_sample
 
-from .episode import RECHECK_AFTER_S
+from .episode import RECHECK_AFTER_S, healthy_fit
 from .episode import Episode as _Episode
 from .episode import Rank as _Rank
 from .rebalance import RebalanceError, even_split, solve
@@ -101,6 +101,7 @@ class SkiRentalPolicy:
         self.ranks: dict[int, _Rank] = {}
         self._lowest: int | None = None           # min(self.ranks)
         self.announced: dict[int, dict] = {}      # rank -> its last ack document
+        self._layers: tuple = ()                  # the pipeline's layer split announced
         self.split: dict[int, int] | None = None  # dp_rank -> micro-batches now in force
         self.planned: dict[int, int] | None = None  # issued, not yet applied by every rank
         self.advised: dict[int, int] | None = None  # the last split advised (advise only)
@@ -157,6 +158,11 @@ class SkiRentalPolicy:
             if isinstance(n, int) and isinstance(dp, int):
                 counts[dp] = n
         worlds = {d.get("world") for d in docs.values()}
+        layers = {tuple(d.get("layer_split") or ()) for d in docs.values()}
+        if len(layers) == 1 and layers != {self._layers}:
+            self._layers = layers.pop()      # a relaunch re-split the pipeline:
+            for r in self.ranks.values():    # the old split's samples are gone
+                r.clear()
         if counts and self.world is not None and len(counts) != self.world and \
                 worlds == {len(counts)} and all(d.get("seq") == 0 for d in docs.values()):
             # Every rank of a new launch has announced itself, in another
@@ -225,6 +231,7 @@ class SkiRentalPolicy:
     def _begin(self, onset_ns: int, healthy_ms: float | None) -> None:
         self.episode = _Episode(onset_ns, healthy_ms)
         self.job_history.clear()
+        self.episode.healthy_fit = healthy_fit(self.ranks, onset_ns, self.window)
         for r in self.ranks.values():
             # Speeds from the slow iterations only.
             keep = [x for x in zip(r.end_ns, r.dur_ms, r.compute_ms, r.count) if x[0] > onset_ns]
@@ -546,7 +553,7 @@ class SkiRentalPolicy:
         d = restart_decision(self.announced, self.ranks, self._speeds(), self._current_split(),
                              self.recent_job_ms() or self.job_ms(), e.healthy_ms, e.loss_ms,
                              self.restart_cost(),
-                             self.min_gain)
+                             self.min_gain, e.healthy_fit)
         if d is not None:
             e.restart_considered = True
             d.numbers = {**self._numbers(), **d.numbers}
