@@ -3,7 +3,6 @@
 Plain data; mitigation.policy decides."""
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,17 +42,3 @@ class Episode:
     trial: dict | None = None            # a trial return to even in progress
     trial_due_ns: int | None = None      # a recheck was refused: a trial instead
     restart_considered: bool = False
-    # The job before the onset, at the split in force (rank -> compute, the
-    # iteration), where enough of it was seen: S3 fits its prediction to it.
-    healthy_fit: tuple[dict, float] | None = None
-
-
-def healthy_fit(ranks: dict[int, Rank], onset_ns: int, n: int) -> tuple[dict, float] | None:
-    """(rank -> median compute, the job's iteration: the median of the ranks'
-    medians) over the samples before `onset_ns`, when every rank has `n`."""
-    before = {k: [(d, c) for t, d, c in zip(r.end_ns, r.dur_ms, r.compute_ms) if t <= onset_ns]
-              for k, r in ranks.items()}
-    if not before or any(len(v) < n for v in before.values()):
-        return None
-    return ({k: statistics.median(c for _, c in v) for k, v in before.items()},
-            statistics.median(statistics.median(d for d, _ in v) for v in before.values()))

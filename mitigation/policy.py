@@ -57,7 +57,7 @@ from collections import deque
 
 from greyhound_bpf.events import is_speed_sample
 
-from .episode import RECHECK_AFTER_S, healthy_fit
+from .episode import RECHECK_AFTER_S
 from .episode import Episode as _Episode
 from .episode import Rank as _Rank
 from .rebalance import RebalanceError, even_split, solve
@@ -231,7 +231,6 @@ class SkiRentalPolicy:
     def _begin(self, onset_ns: int, healthy_ms: float | None) -> None:
         self.episode = _Episode(onset_ns, healthy_ms)
         self.job_history.clear()
-        self.episode.healthy_fit = healthy_fit(self.ranks, onset_ns, self.window)
         for r in self.ranks.values():
             # Speeds from the slow iterations only.
             keep = [x for x in zip(r.end_ns, r.dur_ms, r.compute_ms, r.count) if x[0] > onset_ns]
@@ -553,7 +552,7 @@ class SkiRentalPolicy:
         d = restart_decision(self.announced, self.ranks, self._speeds(), self._current_split(),
                              self.recent_job_ms() or self.job_ms(), e.healthy_ms, e.loss_ms,
                              self.restart_cost(),
-                             self.min_gain, e.healthy_fit)
+                             self.min_gain)
         if d is not None:
             e.restart_considered = True
             d.numbers = {**self._numbers(), **d.numbers}

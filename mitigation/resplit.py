@@ -20,18 +20,6 @@ scripts/pipeline_train.py with one stage under a CPU quota
 (`bench_mitigation --pipeline`, every split run for real): holding that
 rest fixed instead predicted -20% to +100% off; scaling it, -7% to +25%.
 
-Part of an iteration scales with neither: a step's fixed costs (the
-optimizer's bookkeeping, the control file's agreement, a tracer's probes).
-When the same job was also measured healthy at the same split, the two
-operating points give the line iteration = fixed + k * span, and the new
-split is read off it. Where the two spans are too close to tell a line
-from noise (a fault under 20% of the span), or the line would need a
-negative fixed part, the ratio above is the prediction. Chosen on three
-rounds of `bench_mitigation --pipeline --keep` (the measured re-split
-against the ratio: +17.3%, -0.9%, -0.8%; against the line fitted to the
-healthy time before each onset: +8.0%, -5.8%, -5.2%); the README's figures
-come from rounds run after it.
-
 The plan goes through the control file and the trainer applies it when it
 restarts (S4's checkpoint path).
 """
@@ -87,29 +75,12 @@ def split_times(stage_ms, current_split, new_split, layer_costs=None) -> list[fl
     return [float(x) for x in _work(prefix, new_split) / speed]
 
 
-# The slow span must exceed the healthy one by this much for two operating
-# points to fit a line (under it, noise in either point swings the slope).
-MIN_SPAN_GROWTH = 1.2
-
-
 def predict_split(stage_ms, current_split, new_split, job_ms: float,
-                  microbatches: int | None = None, layer_costs=None,
-                  healthy: tuple[list[float], float] | None = None) -> float:
+                  microbatches: int | None = None, layer_costs=None) -> float:
     """The iteration time `new_split` will run, from the iteration now
-    (`job_ms`) and the stages' compute under `current_split`; `healthy`:
-    (the stages' compute, the iteration) of the same job healthy at
-    `current_split`, where it was measured."""
-    span_now = gpipe_ms(stage_ms, microbatches)
-    span_new = gpipe_ms(split_times(stage_ms, current_split, new_split, layer_costs),
-                        microbatches)
-    if healthy is not None:
-        span_h, job_h = gpipe_ms(healthy[0], microbatches), float(healthy[1])
-        if span_now > MIN_SPAN_GROWTH * span_h and job_ms > job_h > 0:
-            k = (job_ms - job_h) / (span_now - span_h)
-            fixed = job_h - k * span_h
-            if fixed >= 0:
-                return fixed + k * span_new
-    return job_ms * span_new / span_now
+    (`job_ms`) and the stages' compute under `current_split`."""
+    new = split_times(stage_ms, current_split, new_split, layer_costs)
+    return job_ms * gpipe_ms(new, microbatches) / gpipe_ms(stage_ms, microbatches)
 
 
 def resplit(stage_times, current_split, layer_costs=None) -> Resplit:

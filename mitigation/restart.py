@@ -28,26 +28,11 @@ class Decision:
                    for k, v in self.numbers.items()}}
 
 
-def _stages(compute: dict, announced: dict, n: int) -> list[float] | None:
-    """Each pipeline stage's compute from its ranks': a stage is as slow as
-    its slowest replica."""
-    out = []
-    for st in range(n):
-        ms = [v for rank, v in compute.items() if announced.get(rank, {}).get("stage") == st]
-        if not ms:
-            return None
-        out.append(max(ms))
-    return out
-
-
 def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: dict | None,
                      job_ms: float | None, healthy_ms: float, loss_ms: float,
-                     cost: tuple[float, str], min_gain: float,
-                     healthy: tuple[dict, float] | None = None) -> Decision | None:
+                     cost: tuple[float, str], min_gain: float) -> Decision | None:
     """`ranks`: rank -> samples with `.dur_ms` and `.compute_ms`; `speeds`: dp rank ->
-    compute per micro-batch; `cost`: (seconds, "observed" or "estimated");
-    `healthy`: (rank -> compute, the iteration) measured before the fault, at
-    the split in force, where there was such a time."""
+    compute per micro-batch; `cost`: (seconds, "observed" or "estimated")."""
     if not any(d.get("checkpoint") for d in announced.values()) or job_ms is None:
         return None
     cost_s, how = cost
@@ -56,13 +41,13 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
                         if d.get("layer_split")), None)
     if layer_split and len(stages) == len(layer_split) > 1:
         # Pipeline: a stage is as slow as its slowest replica.
-        stage_ms = _stages({k: statistics.median(r.compute_ms) for k, r in ranks.items()
-                            if r.compute_ms}, announced, len(layer_split))
-        if stage_ms is None:
-            return None
-        healthy_stage_ms = None if healthy is None else \
-            _stages(healthy[0], announced, len(layer_split))
-        fit = None if healthy_stage_ms is None else (healthy_stage_ms, healthy[1])
+        stage_ms = []
+        for st in range(len(layer_split)):
+            ms = [statistics.median(r.compute_ms) for rank, r in ranks.items()
+                  if r.compute_ms and announced.get(rank, {}).get("stage") == st]
+            if not ms:
+                return None
+            stage_ms.append(max(ms))
         rs = resplit(stage_ms, layer_split)
         mbs = next((d.get("pp_microbatches") for d in announced.values()
                     if d.get("pp_microbatches")), None)
@@ -70,16 +55,12 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
         job_ms = statistics.median(statistics.median(r.dur_ms) for r in ranks.values()
                                    if r.dur_ms)
         best_now = gpipe_ms(stage_ms, mbs)
-        saved = job_ms - predict_split(stage_ms, layer_split, rs.split, job_ms, mbs,
-                                       healthy=fit)
+        saved = job_ms - predict_split(stage_ms, layer_split, rs.split, job_ms, mbs)
         strategy, plan = "reconfigure_pipeline", {"layer_split": list(rs.split),
                                                  "restart": {"checkpoint": True}}
         what = f"re-split layers {list(layer_split)} -> {list(rs.split)}"
         figures = {"stage_ms": [round(x, 3) for x in stage_ms], "microbatches": mbs,
                    "current_ms": job_ms}
-        if fit is not None:
-            figures.update(healthy_stage_ms=[round(x, 3) for x in fit[0]],
-                           healthy_job_ms=round(fit[1], 3))
     else:
         if speeds is None or split is None or len(speeds) < 2:
             return None

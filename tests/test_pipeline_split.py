@@ -94,24 +94,3 @@ def test_a_split_is_predicted_from_the_stages_speeds():
     # The rest of the iteration (sends, all-reduce) scales with the span.
     assert predict_split([10.0, 40.0], [4, 4], [7, 1], 85.0, 4) == pytest.approx(40.0)
     assert predict_split([10.0, 40.0], [4, 4], [4, 4], 60.0, 4) == pytest.approx(60.0)
-
-
-def test_a_healthy_time_at_the_same_split_fits_the_fixed_part_of_an_iteration():
-    # A job whose iteration is 8 ms of fixed costs + 2 x its GPipe span,
-    # measured healthy and slowed at [4, 4]: the line through both gives
-    # the new split's time exactly; the ratio alone misses the fixed part.
-    def job(stage_ms):
-        return 8.0 + 2.0 * gpipe_ms(stage_ms, 4)
-    healthy, slow = [15.0, 15.0], [15.0, 60.0]
-    truth = job(split_times(slow, [4, 4], [7, 1]))
-    fitted = predict_split(slow, [4, 4], [7, 1], job(slow), 4, healthy=(healthy, job(healthy)))
-    assert fitted == pytest.approx(truth)
-    ratio = predict_split(slow, [4, 4], [7, 1], job(slow), 4)
-    assert abs(ratio / truth - 1) > 0.05
-    # Too little fault to fit a line (the spans within 20%), or a line that
-    # needs a negative fixed part: the ratio alone.
-    near = [15.0, 17.0]
-    assert predict_split(near, [4, 4], [5, 3], job(near), 4, healthy=(healthy, job(healthy))) \
-        == pytest.approx(predict_split(near, [4, 4], [5, 3], job(near), 4))
-    assert predict_split(slow, [4, 4], [7, 1], job(slow), 4, healthy=(healthy, 1.0)) \
-        == pytest.approx(ratio)
