@@ -17,7 +17,9 @@ Each round runs, in one run on one machine:
    reconfigure_pipeline plan (its split and predicted iteration time);
    greyhound-run's relaunch with the new split and its measured restart
    cost; the same quota on the relaunched rank 1 (the slow device stays);
-   the iteration time after.
+   the iteration time after, attached and then with Greyhound detached
+   (what its probes and idle workers cost the re-split job), and
+   Greyhound's own CPU (the tracer and its workers) in each phase.
 
 It prints per round and as medians: healthy / slowed / re-split / ideal
 iteration time (from the trainer's own log, start to start), the plan's
@@ -27,6 +29,7 @@ fault the re-split needs to pay its measured restart cost back.
 
     sudo scripts/bench_mitigation --pipeline              # 2 rounds, quota 0.15 CPU
     sudo scripts/bench_mitigation --pipeline --rounds 1 --quota 0.25
+    sudo scripts/bench_mitigation --pipeline --keep    # logs and events kept, per round
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +51,7 @@ from harness import (BIN, Timeout, Tracer, free_port, kill_tree, median_dur,  # 
                      mitigating_healthy, rank_pids, read_jsonl, wait_for)
 
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
+from greyhound_bpf.probe.discovery import all_stats, descendants  # noqa: E402
 from mitigation.resplit import predict_split  # noqa: E402
 
 TRAINER = ROOT / "scripts" / "pipeline_train.py"
@@ -97,16 +102,48 @@ def sweep_one(work: Path, split: list[int], quota: float | None, seconds: float)
         kill_tree(p)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process, its live descendants and its reaped ones."""
+    total = 0.0
+    for p in descendants([pid], all_stats()):
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class CpuSampler(threading.Thread):
+    """Greyhound's own CPU over time (the tracer and its validation workers),
+    sampled every quarter second: what it takes from a job pinned to every core."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.samples, self.done = pid, [], threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.done.wait(0.25):
+            self.samples.append((time.time_ns(), tree_cpu_s(self.pid)))
+
+    def share(self, lo_ns: int, hi_ns: int) -> float:
+        """CPUs used in [lo, hi) (1.0 is one CPU)."""
+        s = [x for x in self.samples if lo_ns <= x[0] <= hi_ns]
+        return (s[-1][1] - s[0][1]) / ((s[-1][0] - s[0][0]) / 1e9) if len(s) > 1 else float("nan")
+
+
 def mitigated(work: Path, quota: float, args) -> dict:
     ctl = work / "ctl.json"
     sup = [str(BIN / "greyhound-run"), "--control-file", str(ctl), "--nproc", str(NPROC), "--"]
     p, truth = launch(work, "mitigated", "--control-file", str(ctl), "--checkpoint",
                       str(work / "ckpt"), prefix=sup)
-    quotas, tracer = [], None
+    quotas, tracer, sampler = [], None, None
 
     def start_tracer(pids, *extra):
-        nonlocal tracer
+        nonlocal tracer, sampler
         tracer = Tracer(work, pids, *extra)
+        sampler = CpuSampler(tracer.proc.pid)
         return tracer
     try:
         wait_for(lambda: trained(truth, SLOW_RANK, 3), 180, "the job to train", interval=0.2)
@@ -126,6 +163,13 @@ def mitigated(work: Path, quota: float, args) -> dict:
         after_ns = time.time_ns()
         time.sleep(args.measure)
         end_ns = time.time_ns()
+        # The same job, the same quota, Greyhound detached: what the re-split
+        # runs at without the tracer's own cost (its probes, its idle workers).
+        tracer.stop()
+        time.sleep(2)
+        bare_ns = time.time_ns()
+        time.sleep(args.measure)
+        bare_end_ns = time.time_ns()
         cost = json.loads(Path(f"{ctl}.restart_cost").read_text())["restart_s"] \
             if Path(f"{ctl}.restart_cost").exists() else float("nan")
         recs = read_jsonl(truth)
@@ -135,11 +179,21 @@ def mitigated(work: Path, quota: float, args) -> dict:
         if tracer is not None:
             tracer.stop()
             tracer.close()
+        if sampler is not None:
+            sampler.done.set()
+            (work / "tracer_cpu.json").write_text(json.dumps(sampler.samples))
         kill_tree(p)
     old = [d for d in recs if d.get("layer_split") != split]
+    # The iterations the policy's estimate held (its last 4 x 8 per rank).
+    starts = sorted(d["start_ns"] for d in old if d.get("rank") == 0 and "start_ns" in d
+                    and d["start_ns"] < plan["time_ns"])[-33:]
     return {"healthy_ms": median_dur(old, slow_ns - int(args.healthy * 1e9), slow_ns)[0],
             "slowed_ms": median_dur(old, slow_ns + int(2e9), plan["time_ns"])[0],
+            "slowed_recent_ms": median_dur(old, starts[0], plan["time_ns"])[0],
             "after_ms": median_dur(recs, after_ns, end_ns)[0],
+            "detached_ms": median_dur(recs, bare_ns, bare_end_ns)[0],
+            "tracer_cpu": {"healthy": sampler.share(slow_ns - int(args.healthy * 1e9), slow_ns),
+                           "after": sampler.share(after_ns, end_ns)},
             "split": split, "expected_ms": plan["expected_ms"],
             "plan_s": (plan["time_ns"] - slow_ns) / 1e9, "restart_s": cost,
             "decision_cost": plan.get("cost"), "stage_ms": plan.get("stage_ms"),
@@ -159,7 +213,10 @@ def one_round(args) -> dict:
         print("  mitigated run", flush=True)
         m = mitigated(work, args.quota, args)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"  kept {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     model = {}
     if m["stage_ms"] and m["job_ms"]:
         for s in splits:
@@ -178,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--restart-cost", type=float, default=5.0, metavar="S",
                    help="attach --restart-cost: the estimate before a restart was measured")
     p.add_argument("--plan-within", type=float, default=120.0, metavar="S")
+    p.add_argument("--keep", action="store_true",
+                   help="keep each round's work folder (the job's logs, the tracer's events)")
     p.add_argument("--save", metavar="FILE", help="write each round's figures here (JSON)")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
@@ -195,20 +254,24 @@ def main(argv=None) -> int:
                  vs_sweep=got / r["expected_ms"] - 1,
                  pays_s=r["restart_s"] / (saving / r["slowed_ms"]) if saving > 0 else
                  float("inf"))
-        print(f"round {i + 1}: healthy {r['healthy']:.1f} ms; slowed (doing nothing) "
+        print(f"round {i + 1}: healthy {r['healthy']:.1f} ms ({r['healthy_ms']:.1f} attached); slowed (doing nothing) "
               f"{r['sweep'][(4, 4)]:.1f} ms in the sweep, {r['slowed_ms']:.1f} ms attached; "
               f"plan {r['split']} after {r['plan_s']:.1f} s (restart cost {r['decision_cost']}) "
               f"predicted {r['expected_ms']:.1f} ms, measured {r['after_ms']:.1f} ms "
-              f"({r['vs_pred']:+.1%}; the sweep's {got:.1f} ms, {r['vs_sweep']:+.1%}); ideal "
+              f"({r['vs_pred']:+.1%}; detached {r['detached_ms']:.1f} ms; the sweep's {got:.1f} ms, "
+              f"{r['vs_sweep']:+.1%}); ideal "
               f"{list(ideal)} at {r['sweep'][ideal]:.1f} ms; relaunch took {r['restart_s']:.1f} s,"
-              f" paid back after {r['pays_s']:.0f} s of fault", flush=True)
+              f" paid back after {r['pays_s']:.0f} s of fault; Greyhound's CPU healthy "
+              f"{r['tracer_cpu']['healthy']:.2f}, re-split {r['tracer_cpu']['after']:.2f}",
+              flush=True)
         if args.save:
             Path(args.save).write_text(json.dumps(
                 [{**x, "sweep": {str(list(k)): v for k, v in x["sweep"].items()},
                   "model": {str(list(k)): v for k, v in x["model"].items()},
                   "ideal": list(x["ideal"])} for x in rounds], indent=1))
         print(f"  stages' compute at the plan {r['stage_ms']} ms, iteration "
-              f"{r['job_ms']} ms, {r['microbatches']} micro-batches")
+              f"{r['job_ms']} ms (the trainer's last 32: {r['slowed_recent_ms']:.1f} ms), "
+              f"{r['microbatches']} micro-batches")
         if r["model"]:
             print("  split    sweep    model   error")
             for s, ms in r["sweep"].items():
