@@ -290,8 +290,14 @@ class Tracer:
         return self.wait(30)
 
     def close(self) -> None:
+        """Stopped as a user stops it (SIGINT: its probes, workers and idle
+        CPU group go with it), and killed only if it will not stop."""
         if self.proc.poll() is None:
-            kill_tree(self.proc)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.proc)
         self.out.close()
 
 
