@@ -142,9 +142,11 @@ def rank_pids(launcher: int) -> dict[int, int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, reaped: bool = False) -> float:
+    """The process's user + system CPU seconds (with `reaped`, its waited-for
+    children's too)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(int(x) for x in fields[11:15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_share(pid: int, seconds: float) -> float:

@@ -53,6 +53,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from harness import cpu_seconds  # noqa: E402
 
 JOB = "bench"
 PER_NODE = 8
@@ -174,11 +175,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_size(nodes: int, procs: int, seed: int, work: Path, kind: str = "compute") -> dict:
     from harness import JsonlTail
     world = nodes * PER_NODE
@@ -211,9 +207,9 @@ def run_size(nodes: int, procs: int, seed: int, work: Path, kind: str = "compute
         for i in range(len(arrived), len(evs)):
             arrived[i] = now
         if cpu0 is None and time.monotonic() >= t0 + 5:
-            cpu0, c_t0 = cpu_s(ctl.pid), time.monotonic()
+            cpu0, c_t0 = cpu_seconds(ctl.pid), time.monotonic()
         time.sleep(0.05)
-    cpu = (cpu_s(ctl.pid) - cpu0) / (time.monotonic() - c_t0)
+    cpu = (cpu_seconds(ctl.pid) - cpu0) / (time.monotonic() - c_t0)
     mem = redis.r.info("memory")["used_memory"]
     ctl.send_signal(signal.SIGINT)
     ctl.wait(30)

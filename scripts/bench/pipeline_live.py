@@ -47,8 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import (BIN, Timeout, Tracer, free_port, kill_tree, median_dur,  # noqa: E402
-                     mitigating_healthy, rank_pids, read_jsonl, wait_for)
+from harness import (BIN, Timeout, Tracer, cpu_seconds, free_port, kill_tree,  # noqa: E402
+                     median_dur, mitigating_healthy, rank_pids, read_jsonl, wait_for)
 
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
 from greyhound_bpf.probe.discovery import all_stats, descendants  # noqa: E402
@@ -107,10 +107,9 @@ def tree_cpu_s(pid: int) -> float:
     total = 0.0
     for p in descendants([pid], all_stats()):
         try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += cpu_seconds(p, reaped=True)
         except OSError:
             continue
-        total += sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
     return total
 
 
@@ -254,12 +253,13 @@ def main(argv=None) -> int:
                  vs_sweep=got / r["expected_ms"] - 1,
                  pays_s=r["restart_s"] / (saving / r["slowed_ms"]) if saving > 0 else
                  float("inf"))
-        print(f"round {i + 1}: healthy {r['healthy']:.1f} ms ({r['healthy_ms']:.1f} attached); slowed (doing nothing) "
-              f"{r['sweep'][(4, 4)]:.1f} ms in the sweep, {r['slowed_ms']:.1f} ms attached; "
+        print(f"round {i + 1}: healthy {r['healthy']:.1f} ms ({r['healthy_ms']:.1f} attached); "
+              f"slowed (doing nothing) {r['sweep'][(4, 4)]:.1f} ms in the sweep, "
+              f"{r['slowed_ms']:.1f} ms attached; "
               f"plan {r['split']} after {r['plan_s']:.1f} s (restart cost {r['decision_cost']}) "
               f"predicted {r['expected_ms']:.1f} ms, measured {r['after_ms']:.1f} ms "
-              f"({r['vs_pred']:+.1%}; detached {r['detached_ms']:.1f} ms; the sweep's {got:.1f} ms, "
-              f"{r['vs_sweep']:+.1%}); ideal "
+              f"({r['vs_pred']:+.1%}; detached {r['detached_ms']:.1f} ms; the sweep's "
+              f"{got:.1f} ms, {r['vs_sweep']:+.1%}); ideal "
               f"{list(ideal)} at {r['sweep'][ideal]:.1f} ms; relaunch took {r['restart_s']:.1f} s,"
               f" paid back after {r['pays_s']:.0f} s of fault; Greyhound's CPU healthy "
               f"{r['tracer_cpu']['healthy']:.2f}, re-split {r['tracer_cpu']['after']:.2f}",
