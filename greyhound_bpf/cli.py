@@ -25,6 +25,7 @@ examples:
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json --mitigate
   sudo greyhound-trace attach 4242 --metrics 9400   # Prometheus, loopback
+  sudo greyhound-trace attach 4242 --start-cpu 0.1  # a gentler start, probes later
 
 exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
@@ -152,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(see `validate`; the job is paused at most --pause-max seconds)")
     a.add_argument("--pause-max", type=T.positive, default=PAUSE_MAX_S, metavar="S",
                    help=f"longest validation may pause the job (default {PAUSE_MAX_S:g})")
+    a.add_argument("--start-cpu", type=T.probability, metavar="CPUS",
+                   help="at most this much of one CPU for start-up (before the probes "
+                        "are in; default: no cap, idle priority only): a job that leaves "
+                        "CPU idle loses less in any 2 s, the probes come in later")
     a.add_argument("--pause-budget", type=T.fraction, default=PAUSE_BUDGET, metavar="F",
                    help="most of any 10 minutes validation may keep the job paused "
                         f"(default {PAUSE_BUDGET:g}: 1%%)")
@@ -472,12 +477,25 @@ def main(argv: list[str] | None = None) -> int:
             not {"-h", "--help", "--ebpf"} & set(words):
         # From the first moment: everything before the probes are in is
         # start-up, the Python imports included (diagnosis/cpu.py).
-        early = Background.start()
+        early = Background.start(cpu_cap=_early_start_cpu(words))
     try:
         return _main(argv)
     finally:
         if early is not None:
             early.close()
+
+
+def _early_start_cpu(words: list[str]) -> float | None:
+    """--start-cpu's value before argparse runs (which reports a bad one)."""
+    for i, w in enumerate(words):
+        v = w.partition("=")[2] if w.startswith("--start-cpu=") else \
+            words[i + 1] if w == "--start-cpu" and i + 1 < len(words) else None
+        if v is not None:
+            try:
+                return T.probability(v)
+            except argparse.ArgumentTypeError:
+                return None
+    return None
 
 
 def _main(argv: list[str] | None) -> int:

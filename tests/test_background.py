@@ -39,8 +39,9 @@ print(json.dumps(out))
 """
 
 
-def run_child(max_s: float) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(max_s)],
+def run_child(max_s: float, code: str = CHILD) -> dict:
+    """What a child process running `code` (ROOT and max_s its arguments) printed."""
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT), str(max_s)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -84,10 +85,7 @@ print(json.dumps(out))
 
 @pytest.mark.bpf
 def test_start_up_runs_in_an_idle_cpu_group_then_goes_home():
-    r = subprocess.run([sys.executable, "-c", GROUP_CHILD, str(ROOT)], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)
+    got = run_child(20.0, GROUP_CHILD)
     # While starting: in greyhound-idle-<pid>, marked idle for the scheduler
     # (SCHED_IDLE alone ranks it only within its own autogroup).
     assert got["idle"] == got["path"] and Path(got["path"]).name.startswith("greyhound-idle-")
@@ -151,3 +149,48 @@ def test_an_idle_group_can_be_made_ordinary_for_a_start_up_that_cannot_wait():
         assert (group.path / "cpu.idle").read_text().strip() == "1"
     finally:
         group.remove()
+
+
+CAP_CHILD = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from greyhound_bpf.diagnosis.cpu import Background
+
+def quota(g):
+    if g.ctl.version == 1:
+        return int((g.path / "cpu.cfs_quota_us").read_text()), \
+            int((g.path / "cpu.cfs_period_us").read_text())
+    q, p = (g.path / "cpu.max").read_text().split()
+    return (-1 if q == "max" else int(q)), int(p)
+
+bg = Background(nice=5, max_s=20.0, cpu_cap=0.25).enter()
+g = bg.group
+out = {"capped": bg.capped, "during": quota(g), "max_s": bg.max_s}
+bg.restore()
+out["after"] = quota(g)
+bg.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.bpf
+def test_a_capped_start_up_is_capped_until_the_probes_are_in():
+    # --start-cpu 0.25: the group's CFS quota is a quarter of its period while
+    # starting, lifted at restore (validation workers wait there later), and
+    # the watchdog gives a capped start-up time to finish.
+    got = run_child(20.0, CAP_CHILD)
+    q, period = got["during"]
+    assert got["capped"] and q == period // 4, got
+    assert got["after"][0] == -1 and got["max_s"] == 20.0, got
+
+
+def test_start_cpu_is_read_before_argparse_and_a_bad_one_left_to_it():
+    from greyhound_bpf.cli import _early_start_cpu, build_parser
+    assert _early_start_cpu(["attach", "42", "--start-cpu", "0.2"]) == 0.2
+    assert _early_start_cpu(["attach", "--start-cpu=0.3", "42"]) == 0.3
+    assert _early_start_cpu(["attach", "42"]) is None
+    for bad in ("0", "2", "x"):
+        assert _early_start_cpu(["attach", "42", "--start-cpu", bad]) is None
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["attach", "42", "--start-cpu", bad])
+    assert _early_start_cpu(["attach", "42", "--start-cpu"]) is None

@@ -170,6 +170,23 @@ class IdleGroup:
         else:
             (self.path / "cpu.weight").write_text("1" if idle else "100")
 
+    def cap(self, cpus: float | None) -> bool:
+        """At most `cpus` CPUs' worth of time for everything in the group
+        (CFS bandwidth: cpu.cfs_quota_us in v1, cpu.max in v2); None lifts
+        it. False where the kernel has no bandwidth control."""
+        try:
+            if self.ctl.version == 1:
+                period = int((self.path / "cpu.cfs_period_us").read_text())
+                quota = "-1" if cpus is None else str(max(1000, int(cpus * period)))
+                (self.path / "cpu.cfs_quota_us").write_text(quota)
+            else:
+                period = int((self.path / "cpu.max").read_text().split()[1])
+                quota = "max" if cpus is None else str(max(1000, int(cpus * period)))
+                (self.path / "cpu.max").write_text(f"{quota} {period}")
+            return True
+        except (OSError, ValueError, IndexError):
+            return False
+
     @classmethod
     def check(cls) -> tuple[bool, str]:
         """For `greyhound-trace check`: (whether one can be made, what it means)."""
@@ -246,21 +263,31 @@ class Background:
     starve an idle start-up for minutes: after `max_s` a watchdog thread
     (created before the others go idle, so never SCHED_IDLE itself; it
     shares the group, which still gives it the moment it needs) restores
-    it anyway."""
+    it anyway.
+
+    Idle priority does not make start-up free: the CPU it runs on is CPU
+    the job had left idle, and on a 2-vCPU VM the job's cost follows what
+    start-up runs (an idle interpreter alone costs nothing measurable; its
+    imports and the BPF compile, +3-6% per 2 s: README, "What attaching
+    costs"). `cpu_cap` (CPUs) spreads it thinner: less in any 2 s, the
+    probes in later; the watchdog then waits long enough for a capped
+    start-up (3 CPU seconds at the cap)."""
 
     _running: "Background | None" = None
 
     @classmethod
-    def start(cls) -> "Background":
+    def start(cls, cpu_cap: float | None = None) -> "Background":
         """This process's start-up in the background, entered once and
         shared: the command line enters it before its imports, and attach
         takes it over."""
         if cls._running is None:
-            cls._running = cls().enter()
+            cls._running = cls(cpu_cap=cpu_cap).enter()
         return cls._running
 
-    def __init__(self, nice: int = 5, max_s: float = 20.0):
-        self.nice, self.max_s = nice, max_s
+    def __init__(self, nice: int = 5, max_s: float = 20.0, cpu_cap: float | None = None):
+        self.nice, self.cpu_cap = nice, cpu_cap
+        self.max_s = max(max_s, 3.0 / cpu_cap) if cpu_cap else max_s
+        self.capped = False
         self.idle = False
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -277,6 +304,7 @@ class Background:
         self.group = IdleGroup.create()
         if self.group is not None:
             self._home = cgroup_path(os.getpid(), self.group.ctl)
+            self.capped = bool(self.cpu_cap) and self.group.cap(self.cpu_cap)
             self.group.join(os.getpid())
         return self
 
@@ -302,6 +330,9 @@ class Background:
             self.idle = False
             if self.group is not None and self._home is not None:
                 self.group.leave(os.getpid(), self._home)
+            if self.capped:                 # validation workers wait there uncapped
+                self.group.cap(None)
+                self.capped = False
             self._policy(os.SCHED_OTHER)
             for tid in _own_threads():
                 try:
