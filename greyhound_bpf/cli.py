@@ -25,7 +25,7 @@ examples:
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json     # advise
   sudo greyhound-trace attach 4242 --control-file /run/ctl.json --mitigate
   sudo greyhound-trace attach 4242 --metrics 9400   # Prometheus, loopback
-  sudo greyhound-trace attach 4242 --start-cpu 0.1  # a gentler start, probes later
+  sudo greyhound-trace attach 4242 --start-cpu 0.1  # gentler, probes later
 
 exit status: 0 when the targets exit or on Ctrl-C/SIGTERM/--duration;
 1 for an environment problem (not root, BCC, kernel); 2 for bad input.
