@@ -272,7 +272,11 @@ class Tracer:
                                      f"{self.output()}")
             ranks = self.attached_ranks()
             return ranks if len(ranks) >= n else None
-        return wait_for(ready, timeout, f"{n} attached process(es)")
+
+        def why() -> str:                 # what the tracer saw and said, for the failure
+            return (f"attach events: {self.events('attach')}\n"
+                    f"tracer output (end): {self.output()[-3000:]}")
+        return wait_for(ready, timeout, f"{n} attached process(es)", why=why)
 
     def wait(self, timeout: float = 60) -> int:
         try:
