@@ -3,6 +3,7 @@
 Plain data; mitigation.policy decides."""
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ class Rank:
     def clear(self) -> None:
         for q in (self.end_ns, self.dur_ms, self.compute_ms, self.count):
             q.clear()
+
+    def per_microbatch(self) -> float | None:
+        """Compute per micro-batch: the median over these samples."""
+        vals = [c / n for c, n in zip(self.compute_ms, self.count) if n]
+        return statistics.median(vals) if vals else None
 
 
 @dataclass

@@ -39,8 +39,8 @@ attach, a fault the job-level detector missed). Within it:
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
    after the plan was applied and then at doubling intervals (the
    validation budget applies); a validated verdict that measures it healthy
-   returns the even split and ends the episode. With validation off, a
-   trial return to the even split after TRIAL_AFTER_S (doubling): if the
+   returns the even split and ends the episode. With validation off (or a
+   recheck refused), a trial return to the even split on that schedule: if the
    job runs within RECOVERED of healthy at the even split for `window`
    iterations, it stays; if not, the plan returns (a trial and its revert
    are not plan changes; their cost is bounded by the doubling).
@@ -83,8 +83,6 @@ MAX_CHANGES = 2
 # Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
 # after the plan was applied (mitigation.episode), then at doubling intervals...
 RECHECK_MAX_S = 320.0
-# ...or, with validation off, a trial return to the even split.
-TRIAL_AFTER_S = 30.0
 
 
 class SkiRentalPolicy:
@@ -380,17 +378,11 @@ class SkiRentalPolicy:
         return dict(zip(order, even_split(sum(split.values()), len(order))))
 
     def _speeds(self) -> dict[int, float] | None:
-        """dp rank -> its compute per micro-batch (median over its samples)."""
-        out: dict[int, list[float]] = {}
-        for rank, r in self.ranks.items():
-            dp = self._dp(rank)
-            vals = [c / n for c, n in zip(r.compute_ms, r.count) if n]
-            if vals:
-                out[dp] = vals
+        """dp rank -> its compute per micro-batch."""
+        out = {self._dp(rank): r.per_microbatch() for rank, r in self.ranks.items()}
+        out = {k: max(v, 1e-6) for k, v in out.items() if v is not None}
         split = self._current_split()
-        if split is None or set(out) != set(split):
-            return None
-        return {k: max(statistics.median(v), 1e-6) for k, v in out.items()}
+        return None if split is None or set(out) != set(split) else out
 
     # -- decisions --------------------------------------------------------------------
 
@@ -475,6 +467,12 @@ class SkiRentalPolicy:
         if gain < need or list(best.counts) == counts_now:
             return [] if e.changes else self._none(
                 f"the best split gains {gain:.0%}, under {need:.0%}")
+        if best.counts[order.index(s)] >= split[s]:
+            # The named rank is not the one the speeds would relieve (its
+            # node's samples late, another rank busy a moment): moving work
+            # between ranks nobody named would be a guess.
+            return [] if e.changes else self._none(
+                f"dp rank {s} is named slow, but the speeds measured take no work off it")
         counts = dict(zip(order, best.counts))
         if self.advised == counts and self.planned is None and self.split != counts:
             return []                        # advised already (advise only): not again

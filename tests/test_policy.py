@@ -146,6 +146,29 @@ def test_work_never_moves_onto_the_slow_rank_and_at_most_two_changes():
     assert len(later) <= MAX_CHANGES - 1
 
 
+def test_a_plan_always_takes_work_off_the_named_rank():
+    # What a controller once saw: rank 2 named slow, while the speeds to
+    # hand showed it only a little slower (its node's samples of the slow
+    # iterations not in yet) and rank 0 slower still (busy a moment). The
+    # best split then moved work from rank 0 to rank 1 and left rank 2 as it
+    # was (3/5/4/4 of 16): a plan between ranks nobody named. None until the
+    # speeds agree with the verdict.
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    job.t[0], job.t[2] = 1.5, 1.15
+    out = run(pol, job, 2)
+    out += pol.observe(slowdown(job, 10.0, 14.0, 20, 21)) + run(pol, job, 10)
+    out += pol.observe(verdict(job, [2])) + run(pol, job, 10)
+    assert plans(out) == []
+    assert [d.strategy for d in out] == ["none", "none"], [d.reason for d in out]
+    assert "take no work off it" in out[-1].reason
+    job.t[0], job.t[2] = 1.0, 3.0
+    (p,) = plans(run(pol, job, 40))
+    assert p.plan["microbatches"][2] < 8 and "dp rank 2" in p.reason
+
+
 def test_no_plan_without_a_named_straggler():
     job = Job([1.0] * 4)
     pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
