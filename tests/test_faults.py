@@ -211,8 +211,7 @@ def test_control_directory_lost_while_mitigating(ddp_job, tracer, tmp_path, how,
                 seqs = {e["seq"] for e in t.events("applied")}
                 return [e for e in t.events("action") if e.get("seq") in seqs
                         and len(set(e.get("plan", {}).get("microbatches", {}).values())) > 1]
-            plan = wait_for(uneven_applied, 120, "an uneven plan applied", interval=0.5)[-1]
-            kept = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
+            wait_for(uneven_applied, 120, "an uneven plan applied", interval=0.5)
             if how == "read-only":
                 # A read-only bind mount over it: the files held open (the
                 # writer's lock) stay as they are, every new open is EROFS.
@@ -228,6 +227,12 @@ def test_control_directory_lost_while_mitigating(ddp_job, tracer, tmp_path, how,
                                    and "could not write plan" in e.get("reason", "")],
                           120, "the fall-back to advising", interval=0.5)
         assert len(advise) == 1
+        # The plan the trainer keeps is the last one it applied: one written
+        # (a refinement) between the first uneven plan and the loss counts.
+        last = max(e["seq"] for e in t.events("applied"))
+        plan = next(e for e in t.events("action") if e.get("seq") == last and "plan" in e)
+        kept = {int(k): v for k, v in plan["plan"]["microbatches"].items()}
+        assert len(set(kept.values())) > 1, plan
         n = len(job.truth_records())
         wait_for(lambda: len(job.truth_records()) > n + 20, 60, "the job to train on")
         after = [r for r in job.truth_records() if r["start_ns"] > advise[0]["time_ns"]]
