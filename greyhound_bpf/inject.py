@@ -74,8 +74,7 @@ class CpuQuota:
         quota = max(MIN_QUOTA_US, int(self.quota * period))
         if self.ctl.version == 1:
             self.group.mkdir()
-            (self.group / "cpu.cfs_period_us").write_text(str(period))
-            (self.group / "cpu.cfs_quota_us").write_text(str(quota))
+            self.ctl.set_bandwidth(self.group, quota, period)
             # Every thread: in cgroup v1 a thread moves on its own.
             for tid in threads_of(self.pid):
                 try:
@@ -120,7 +119,7 @@ class CpuQuota:
             if "cpu" not in _words(parent / "cgroup.subtree_control"):
                 (parent / "cgroup.subtree_control").write_text("+cpu")
                 self._enabled = parent
-            (self.group / "cpu.max").write_text(f"{quota} {period}")
+            self.ctl.set_bandwidth(self.group, quota, period)
             if parent != origin:
                 (self.group / "cgroup.procs").write_text(str(self.pid))
         except OSError as e:

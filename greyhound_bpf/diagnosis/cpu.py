@@ -69,6 +69,17 @@ class CpuController:
     def describe(self) -> str:
         return f"cgroup v{self.version} at {self.root}"
 
+    def set_bandwidth(self, group: Path, quota_us: int | None, period_us: int) -> None:
+        """CFS bandwidth of `group`: at most quota_us of CPU time every
+        period_us (None: no limit). cpu.cfs_period_us and cpu.cfs_quota_us
+        in v1, cpu.max in v2. OSError where the kernel refuses it."""
+        if self.version == 1:
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
+            (group / "cpu.cfs_quota_us").write_text("-1" if quota_us is None else str(quota_us))
+        else:
+            (group / "cpu.max").write_text(f"{'max' if quota_us is None else quota_us} "
+                                           f"{period_us}")
+
 
 def cpu_controller() -> CpuController:
     """The hierarchy that holds the cpu controller now: a v1 mount with
@@ -177,12 +188,10 @@ class IdleGroup:
         try:
             if self.ctl.version == 1:
                 period = int((self.path / "cpu.cfs_period_us").read_text())
-                quota = "-1" if cpus is None else str(max(1000, int(cpus * period)))
-                (self.path / "cpu.cfs_quota_us").write_text(quota)
             else:
                 period = int((self.path / "cpu.max").read_text().split()[1])
-                quota = "max" if cpus is None else str(max(1000, int(cpus * period)))
-                (self.path / "cpu.max").write_text(f"{quota} {period}")
+            self.ctl.set_bandwidth(self.path, None if cpus is None else
+                                   max(1000, int(cpus * period)), period)
             return True
         except (OSError, ValueError, IndexError):
             return False
