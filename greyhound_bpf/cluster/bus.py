@@ -198,6 +198,14 @@ class JobInputs:
         self._last[(m.node, m.incarnation)] = m.seq
         return True
 
+    def new(self, msgs: list[Message]) -> list[Message]:
+        """Those of `msgs` not taken before (and from now on they are). Told
+        in the order each agent sent them: an agent sends the events it saw
+        after a batch of iterations, with earlier times, and in time order
+        the batch would look taken already."""
+        return [m for m in sorted(msgs, key=lambda m: (m.node, m.incarnation, m.seq))
+                if self.fresh(m)]
+
     def inputs(self, m: Message) -> list:
         return self.convert(m) if self.fresh(m) else []
 

@@ -192,13 +192,7 @@ class Controller:
             st.seen = max(st.seen, now + RETRY_S)
 
     def _take(self, msgs: list[Message]) -> None:
-        # What was taken before is told by each agent's sequence numbers, so
-        # in the order it sent them; the new is then taken in the order of
-        # its times. (An agent sends the events it saw after the iterations
-        # it sent, with their earlier times: told in time order, a batch of
-        # iterations read with them looked taken already and was lost.)
-        new = {id(m) for m in sorted(msgs, key=lambda m: (m.node, m.incarnation, m.seq))
-               if self.inputs.fresh(m)}
+        new = {id(m) for m in self.inputs.new(msgs)}    # then taken in time order
         for m in sorted(msgs, key=lambda m: (m.t_ns, m.node, m.seq)):
             if self.keepalive is not None and time.monotonic() - self._kept >= KEEPALIVE_S:
                 self.keepalive()
