@@ -90,8 +90,8 @@ def _run(tmp_path, bed, redis, tracer, procs):
     ctl = subprocess.Popen(
         [*GREYHOUND, "controller", "--cluster", redis.url, "--job", RUN_ID, "--cluster-ca", ca,
          "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path),
-         "--mitigate", "--record", str(tmp_path / "controller.rec.gz")], cwd=ROOT, stdout=ctl_out, stderr=subprocess.STDOUT,
-        start_new_session=True)
+         "--mitigate", "--record", str(tmp_path / "controller.rec.gz")], cwd=ROOT,
+        stdout=ctl_out, stderr=subprocess.STDOUT, start_new_session=True)
     procs.append(ctl)
     events = JsonlTail(events_path)
     seen = events.all                      # every event so far (read() appends)
