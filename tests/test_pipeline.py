@@ -85,8 +85,9 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
     no verdict, no plan. Then rank 1 (stage 1) gets 0.15 CPU, and again
     after the relaunch (the slow device stays where stage 1's rank 1 runs):
     the slowdown is named, a reconfigure_pipeline plan gives stage 1 fewer
-    blocks, greyhound-run relaunches with it, and the job runs faster than
-    while slowed on the old split."""
+    blocks, greyhound-run relaunches with it, and the job runs within 25%
+    of the plan's prediction and at least 10% faster than while slowed on
+    the old split (outside Greyhound's own activity)."""
     from greyhound_bpf.inject import CpuQuota
     ctl = tmp_path / "ctl.json"
     sup = [str(Path(sys.executable).parent / "greyhound-run"), "--control-file", str(ctl),
@@ -126,15 +127,26 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
         for q in quotas:
             q.undo()
         kill_tree(p)
+    # Doing nothing is the slowed job on [4, 4], less the iterations that
+    # overlap Greyhound's own activity (validation workers, the pause): they
+    # are its cost, not the fault's.
+    spans = [(e["start_ns"], e["end_ns"]) for e in t.events("activity") if e["end_ns"]]
     recs = [d for d in read_jsonl(tmp_path / "truth.jsonl") if d.get("rank") == 0
-            and "dur_ns" in d]
+            and "dur_ns" in d and not any(d["start_ns"] < hi and lo < d["start_ns"] + d["dur_ns"]
+                                          for lo, hi in spans)]
     slowed = [d["dur_ns"] / 1e6 for d in recs if d["layer_split"] == [4, 4]
               and slow_from + 5e9 <= d["start_ns"] < plan["time_ns"]]
     after = [d["dur_ns"] / 1e6 for d in recs if d["layer_split"] == split
              and d["start_ns"] >= resplit_from + 5e9]
     assert len(slowed) >= 10 and len(after) >= 30, (len(slowed), len(after))
-    s, a = statistics.median(slowed), statistics.median(after)
+    s, a, want = statistics.median(slowed), statistics.median(after), plan["expected_ms"]
     print(f"pipeline: slowed {s:.1f} ms on [4, 4], {a:.1f} ms on {split} "
-          f"(predicted {plan['expected_ms']:.1f} ms)")
-    assert a < 0.8 * s, (s, a, split)
+          f"(predicted {want:.1f} ms)")
+    # How much a re-split can gain depends on how hard the quota bites in
+    # this run (slowed 104-162 ms over CI runs), which the test does not
+    # control: so the re-split is held to its own prediction, within the
+    # spread of single rounds the README reports (-13% to +20%), and must
+    # beat doing nothing by a clear margin.
+    assert a <= 1.25 * want, (s, a, want, split)
+    assert a < 0.9 * s, (s, a, want, split)
     assert "with layers per stage" in (tmp_path / "job.out").read_text()
