@@ -287,6 +287,8 @@ class AttachSession:
                 self._finish(t0)
             else:
                 self._stop_validation()
+            if self.tracer and self.tracer.bpf and (n := self.tracer.to_remove()) >= 30:
+                self.say(f"removing {n} uprobes (the kernel takes one out at a time: ~{n // 10} s)")
             for part in (self.tracer, self.agent, self.writer, self.recorder, self.metrics):
                 if part:
                     part.close()

@@ -1,16 +1,17 @@
-/* Uprobe/uretprobe programs that time every probed library call.
+/* The uprobe/uretprobe programs that time every probed library call.
  *
- * Entry saves the start time and the argument slots per (thread, function);
- * return (a uretprobe, or for functions that may throw a uprobe at the
- * caller's return site: see greyhound.h) computes the duration, reads out-parameters (for example the
- * ncclComm_t that ncclCommInitRank writes) and reserves one ring-buffer
- * record. A record the ring buffer cannot take is counted in `lost`, never
- * dropped silently. Load-time settings come in as -D flags:
+ * gh_enter (a uprobe at each probed function) finds the function from where
+ * it hit (`probe_fn`, greyhound.h), saves the start time and the argument
+ * slots under (thread, stack pointer after the return). gh_return (a
+ * uretprobe, or for functions that may throw a uprobe at the caller's
+ * return site: see greyhound.h) computes the duration, reads out-parameters
+ * (for example the ncclComm_t that ncclCommInitRank writes) and reserves
+ * one ring-buffer record. A record the ring buffer cannot take is counted
+ * in `lost`, never dropped silently. Load-time settings come in as -D flags:
  *   GH_RINGBUF_PAGES  ring buffer size in pages (power of two)
  *   GH_INFLIGHT_MAX   concurrent in-flight calls tracked
  *   GH_WAKEUP_EVERY   wake the consumer once per this many records per CPU
- *   GH_NFUNCS         functions in the catalog (slots 0..GH_NFUNCS-1)
- *   GH_RETPROBES      bit n set: function n is timed by a uretprobe
+ *   GH_MAX_PROBES     (process, function) pairs probed at once
  *
  * Waking the consumer on every record costs an irq_work and a context
  * switch per call, more than the probe itself. Records are submitted
@@ -31,11 +32,8 @@
 #ifndef GH_WAKEUP_EVERY
 #define GH_WAKEUP_EVERY 64
 #endif
-#ifndef GH_NFUNCS
-#define GH_NFUNCS GH_MAX_FUNCS
-#endif
-#ifndef GH_RETPROBES
-#define GH_RETPROBES (~0ULL)
+#ifndef GH_MAX_PROBES
+#define GH_MAX_PROBES 16384
 #endif
 #ifndef GH_MAX_SITES
 #define GH_MAX_SITES 4096
@@ -43,9 +41,8 @@
 
 BPF_RINGBUF_OUTPUT(events, GH_RINGBUF_PAGES);
 BPF_ARRAY(fn_spec, struct gh_fn_spec, GH_MAX_FUNCS);
+BPF_HASH(probe_fn, struct gh_probe_key, u32, GH_MAX_PROBES);
 /* LRU: a thread killed inside a call must not leak its slot forever. */
-BPF_TABLE("lru_hash", struct gh_inflight_key, struct gh_inflight, inflight,
-	  GH_INFLIGHT_MAX);
 BPF_TABLE("lru_hash", struct gh_frame_key, struct gh_frame, frames, GH_INFLIGHT_MAX);
 /* Return sites seen, for user space to probe (it deletes a process's on detach). */
 BPF_HASH(sites, struct gh_site_key, u8, GH_MAX_SITES);
@@ -55,8 +52,15 @@ BPF_PERCPU_ARRAY(submitted, u64, 1);
 /* cudaLaunchKernel is too frequent to stream: count it per process here. */
 BPF_HASH(launches, u32, u64, 4096);
 
-static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
+int gh_enter(struct pt_regs *ctx)
 {
+	u64 id = bpf_get_current_pid_tgid();
+	/* A uprobe's handler sees the instruction pointer at the probe. */
+	struct gh_probe_key pk = { .pid = id >> 32, .addr = PT_REGS_IP(ctx) };
+	u32 *fnp = probe_fn.lookup(&pk);
+	if (!fnp)
+		return 0;
+	u32 fn = *fnp;
 	struct gh_fn_spec *spec = fn_spec.lookup(&fn);
 	if (!spec)
 		return 0;
@@ -88,19 +92,19 @@ static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
 		}
 	}
 
-	u64 id = bpf_get_current_pid_tgid();
-	if (spec->flags & GH_SPEC_RETURN_SITE) {
-		u64 sp = PT_REGS_SP(ctx), ra = 0;
+	u64 sp = PT_REGS_SP(ctx), ra = 0;
 #if defined(__TARGET_ARCH_arm64)
-		ra = ctx->regs[30]; /* link register; sp is unchanged by ret */
+	ra = ctx->regs[30]; /* link register; sp is unchanged by ret */
 #else
-		/* x86_64: the return address is at sp; ret pops it */
+	/* x86_64: the return address is at sp; ret pops it */
+	if (spec->flags & GH_SPEC_RETURN_SITE)
 		bpf_probe_read_user(&ra, sizeof(ra), (void *)sp);
-		sp += sizeof(u64);
+	sp += sizeof(u64);
 #endif
-		struct gh_frame_key fk = { .tid = (u32)id, .sp = sp };
-		struct gh_frame fr = { .call = st, .fn = fn };
-		frames.update(&fk, &fr);
+	struct gh_frame_key fk = { .tid = (u32)id, .sp = sp };
+	struct gh_frame fr = { .call = st, .fn = fn };
+	frames.update(&fk, &fr);
+	if (spec->flags & GH_SPEC_RETURN_SITE) {
 		struct gh_site_key sk = { .pid = id >> 32, .fn = fn, .addr = ra };
 		u8 *state = sites.lookup(&sk);
 		if (!state || *state != GH_SITE_PROBED) {
@@ -123,10 +127,7 @@ static __always_inline int gh_enter(struct pt_regs *ctx, u32 fn)
 				events.ringbuf_submit(mark, BPF_RB_FORCE_WAKEUP);
 			}
 		}
-		return 0;
 	}
-	struct gh_inflight_key key = { .tid = (u32)id, .fn = fn };
-	inflight.update(&key, &st);
 	return 0;
 }
 
@@ -171,26 +172,16 @@ static __always_inline void gh_emit(struct pt_regs *ctx, u32 fn, struct gh_infli
 	events.ringbuf_submit(rec, flags);
 }
 
-static __always_inline int gh_return(struct pt_regs *ctx, u32 fn)
-{
-	struct gh_inflight_key key = { .tid = (u32)bpf_get_current_pid_tgid(), .fn = fn };
-	struct gh_inflight *st = inflight.lookup(&key);
-	if (!st)
-		return 0; /* entry happened before we attached */
-	gh_emit(ctx, fn, st);
-	inflight.delete(&key);
-	return 0;
-}
-
-/* A uprobe at a return site: the call whose frame returns to this stack
- * pointer on this thread, if any (the site may be reached otherwise too). */
-int gh_site(struct pt_regs *ctx)
+/* A uretprobe, or a uprobe at a return site: the call whose frame returns
+ * to this stack pointer on this thread, if any (a return site may be
+ * reached otherwise too). */
+int gh_return(struct pt_regs *ctx)
 {
 	struct gh_frame_key key = { .tid = (u32)bpf_get_current_pid_tgid(),
 				    .sp = PT_REGS_SP(ctx) };
 	struct gh_frame *fr = frames.lookup(&key);
 	if (!fr)
-		return 0;
+		return 0; /* the call began before we attached */
 	gh_emit(ctx, fr->fn, &fr->call);
 	frames.delete(&key);
 	return 0;
@@ -207,27 +198,3 @@ int gh_count_launch(struct pt_regs *ctx)
 		launches.update(&pid, &one);
 	return 0;
 }
-
-/* Every slot is a program, but only the catalog's functions (GH_NFUNCS)
- * and, of those, the ones timed by a uretprobe (bit n of GH_RETPROBES)
- * carry a body: the others fold to `return 0` before the inliner copies
- * gh_enter/gh_return into them, which cuts the compile (CPU the job may
- * be short of while we start) by about a quarter. */
-#define GH_SLOT(n)                                                           \
-	int gh_enter_##n(struct pt_regs *ctx)                                \
-	{                                                                    \
-		return (n) < GH_NFUNCS ? gh_enter(ctx, n) : 0;               \
-	}                                                                    \
-	int gh_return_##n(struct pt_regs *ctx)                               \
-	{                                                                    \
-		return ((GH_RETPROBES) >> (n)) & 1 ? gh_return(ctx, n) : 0;  \
-	}
-
-GH_SLOT(0)  GH_SLOT(1)  GH_SLOT(2)  GH_SLOT(3)  GH_SLOT(4)  GH_SLOT(5)
-GH_SLOT(6)  GH_SLOT(7)  GH_SLOT(8)  GH_SLOT(9)  GH_SLOT(10) GH_SLOT(11)
-GH_SLOT(12) GH_SLOT(13) GH_SLOT(14) GH_SLOT(15) GH_SLOT(16) GH_SLOT(17)
-GH_SLOT(18) GH_SLOT(19) GH_SLOT(20) GH_SLOT(21) GH_SLOT(22) GH_SLOT(23)
-GH_SLOT(24) GH_SLOT(25) GH_SLOT(26) GH_SLOT(27) GH_SLOT(28) GH_SLOT(29)
-GH_SLOT(30) GH_SLOT(31) GH_SLOT(32) GH_SLOT(33) GH_SLOT(34) GH_SLOT(35)
-GH_SLOT(36) GH_SLOT(37) GH_SLOT(38) GH_SLOT(39) GH_SLOT(40) GH_SLOT(41)
-GH_SLOT(42) GH_SLOT(43) GH_SLOT(44) GH_SLOT(45) GH_SLOT(46) GH_SLOT(47)

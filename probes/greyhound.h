@@ -11,8 +11,7 @@
 #define GH_MAX_ARGS 8
 #define GH_REG_ARGS 6
 
-/* Probe slots: one entry and one return program per probed function, with
- * the function id compiled in, so a probe hit needs no address lookup. */
+/* Functions in the catalogs (fn_spec's size). */
 #define GH_MAX_FUNCS 48
 
 /* gh_fn_spec.flags */
@@ -48,29 +47,39 @@ struct gh_fn_spec {
 	__u16 flags;     /* GH_SPEC_* */
 };
 
-/* Key of the in-flight table: nested calls of different functions on one
- * thread (ncclGroupStart ... ncclSend ... ncclGroupEnd) each get a slot. */
-struct gh_inflight_key {
-	__u32 tid;
-	__u32 fn;
+/* One entry program serves every probed function: it finds the function
+ * by where the probe hit, (process, runtime address of the entry), which
+ * user space writes into `probe_fn` as it attaches. One program instead of
+ * one per function keeps the compile on each attach (CPU that the job may
+ * be short of) near the size of a single function's. */
+struct gh_probe_key {
+	__u32 pid;
+	__u32 pad;
+	__u64 addr;
 };
 
+/* A call in flight, from entry to return. */
 struct gh_inflight {
 	__u64 start_ns;
 	__u64 args[GH_MAX_ARGS];
 };
 
-/* Functions that may throw (C++: gloo) are not given a uretprobe. A C++
+/* Entry saves a call under (thread, stack pointer after its return), where
+ * the return finds it: nested calls on one thread (ncclGroupStart ...
+ * ncclSend ... ncclGroupEnd) sit at different depths. A uretprobe fires
+ * with that stack pointer, and so does a uprobe at the caller's return site.
+ *
+ * Functions that may throw (C++: gloo) are not given a uretprobe. A C++
  * exception unwinding through a uretprobe's frame finds the kernel's
  * trampoline where the return address was, has no unwind table for it and
  * calls std::terminate: the tracer would turn a peer's loss, which the job
  * can catch, into an abort. Such a call is timed at its return site
- * instead: entry saves it under (thread, stack pointer after the return)
- * and reports the caller's return address in `sites`; user space puts a
- * plain uprobe there. An exception skips the return site and leaves a stale
- * frame, which the next call at that depth overwrites (LRU otherwise); only
- * code that jumps to the instruction after the call, at that depth, before
- * calling again could meet it (and report one call too long). */
+ * instead: entry reports the caller's return address in `sites`, and user
+ * space puts a plain uprobe there. An exception skips the return site and
+ * leaves a stale frame, which the next call at that depth overwrites (LRU
+ * otherwise); only code that jumps to the instruction after the call, at
+ * that depth, before calling again could meet it (and report one call too
+ * long). */
 struct gh_frame_key {
 	__u32 tid;
 	__u32 pad;

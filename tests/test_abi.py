@@ -12,7 +12,7 @@ import pytest
 from greyhound_bpf.probe import catalog as catalog_mod
 from greyhound_bpf.probe.records import (CALL_DTYPE, GH_F_NEW_SITE, GH_MAX_ARGS, GH_SITE_PROBED,
                                          GH_SITE_UNPROBEABLE, GH_SPEC_RETURN_SITE, GhCall,
-                                         GhFnSpec, GhSiteKey)
+                                         GhFnSpec, GhProbeKey, GhSiteKey)
 from greyhound_bpf.probe.catalog import probes_dir
 
 PROGRAM = r"""
@@ -31,6 +31,8 @@ int main(void) {
     F(gh_fn_spec, nfields) F(gh_fn_spec, field_off) F(gh_fn_spec, flags)
     printf("gh_site_key %zu\n", sizeof(struct gh_site_key));
     F(gh_site_key, pid) F(gh_site_key, fn) F(gh_site_key, addr)
+    printf("gh_probe_key %zu\n", sizeof(struct gh_probe_key));
+    F(gh_probe_key, pid) F(gh_probe_key, addr)
     printf("GH_SPEC_RETURN_SITE %d\n", GH_SPEC_RETURN_SITE);
     printf("GH_F_NEW_SITE %d\nGH_SITE_PROBED %d\nGH_SITE_UNPROBEABLE %d\n",
            GH_F_NEW_SITE, GH_SITE_PROBED, GH_SITE_UNPROBEABLE);
@@ -60,6 +62,7 @@ def test_struct_sizes_match(c_layout):
     assert c_layout["gh_call"] == (CALL_DTYPE.itemsize,)
     assert c_layout["gh_fn_spec"] == (ct.sizeof(GhFnSpec),)
     assert c_layout["gh_site_key"] == (ct.sizeof(GhSiteKey),)
+    assert c_layout["gh_probe_key"] == (ct.sizeof(GhProbeKey),)
 
 
 @pytest.mark.parametrize("field", [f[0] for f in GhCall._fields_])
@@ -73,9 +76,11 @@ def test_gh_call_offsets_match(c_layout, field):
 
 @pytest.mark.parametrize("struct, field", [
     *((GhFnSpec, f) for f in ["nargs", "deref_mask", "field_slot", "nfields", "field_off", "flags"]),
-    *((GhSiteKey, f) for f in ["pid", "fn", "addr"])])
-def test_spec_and_site_offsets_match(c_layout, struct, field):
-    name = {GhFnSpec: "gh_fn_spec", GhSiteKey: "gh_site_key"}[struct]
+    *((GhSiteKey, f) for f in ["pid", "fn", "addr"]),
+    *((GhProbeKey, f) for f in ["pid", "addr"])])
+def test_spec_and_key_offsets_match(c_layout, struct, field):
+    name = {GhFnSpec: "gh_fn_spec", GhSiteKey: "gh_site_key",
+            GhProbeKey: "gh_probe_key"}[struct]
     off, size = c_layout[f"{name}.{field}"]
     assert (getattr(struct, field).offset, getattr(struct, field).size) == (off, size)
 

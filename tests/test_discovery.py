@@ -95,6 +95,30 @@ def test_mapped_libraries_sees_the_real_libnccl(procs):
     assert os.stat(m.host_path).st_ino == m.inode
 
 
+def test_a_library_is_loaded_once_its_code_is_mapped(procs):
+    """The dynamic loader maps a library read-only before its code: until
+    an executable mapping is there, there is nothing to probe yet."""
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import ctypes, mmap, sys
+        f = open(sys.argv[1], "rb")
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        print("mapped", flush=True)
+        sys.stdin.readline()
+        ctypes.CDLL(sys.argv[1])
+        print("loaded", flush=True)
+        sys.stdin.readline()
+    """), nccl_lib()], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(p)
+    assert p.stdout.readline().strip() == "mapped"
+    maps = open(f"/proc/{p.pid}/maps").read()
+    assert "libnccl" in maps
+    assert mapped_libraries(p.pid, CAT) == {}
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "loaded"
+    assert set(mapped_libraries(p.pid, CAT)) == {"nccl"}
+
+
 def test_discovery_finds_new_and_exited_targets(procs):
     bash = subprocess.Popen(["bash", "-c", "sleep 60"])
     procs.append(bash)

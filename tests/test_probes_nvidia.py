@@ -4,6 +4,7 @@ which is all a uprobe needs. Each call must be seen exactly once (never twice
 through the pncclX alias), with the arguments and return code the target
 passed and got."""
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -112,7 +113,6 @@ def test_pncclx_alias_attached_once(nvidia_target, tracer):
 
 
 def _fds_of(pid: int) -> int:
-    import os
     n = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -144,3 +144,43 @@ def test_probes_of_an_exited_rank_are_released(tracer):
         for p in targets:
             p.kill()
             p.wait()
+
+
+def test_entry_probes_find_their_function_by_address_and_forget_it_on_detach(nvidia_target):
+    """The one entry program finds a call's function from the address its
+    uprobe hit (`probe_fn`): one key per placed probe, inside the process's
+    executable mapping of its library; every call made is then delivered
+    (a wrong address would find no function and time nothing), and no key
+    is left once the process is detached."""
+    from greyhound_bpf.probe.catalog import load_catalog
+    from greyhound_bpf.probe.discovery import Target, mapped_libraries
+    from greyhound_bpf.probe.tracer import Tracer
+    catalog = load_catalog()
+    fds_before = _fds_of(os.getpid())
+    libs = mapped_libraries(nvidia_target.pid, catalog)
+    assert set(libs) == {"nccl", "cudart"}, libs
+    t = Tracer(catalog)
+    t.load()
+    try:
+        placed = t.attach(Target(nvidia_target.pid, 0, "python", None, None, None, libs))
+        table = {(k.pid, k.addr): v.value for k, v in t.bpf["probe_fn"].items()}
+        assert table == {(nvidia_target.pid, p.runtime): p.fn.fid for p in placed}
+        assert len(placed) == 22, len(placed)
+        # The runtime address is where the symbol is in the process's memory.
+        maps = open(f"/proc/{nvidia_target.pid}/maps").read().splitlines()
+        for p in placed:
+            line = next(m for m in maps if int(m.split()[0].split("-")[0], 16) <= p.runtime
+                        < int(m.split()[0].split("-")[1], 16))
+            assert line.split()[-1].endswith(("libnccl.so.2", "libcudart.so.12")), line
+            assert "x" in line.split()[1], line
+        made = run_calls(nvidia_target)
+        got = t.drain()
+        assert len(got) == len(made), (len(got), len(made))
+        t.detach(nvidia_target.pid)
+        assert list(t.bpf["probe_fn"].items()) == []
+        # The kernel takes the uprobes out in the background (detach does
+        # not wait on them); close waits until every one is out.
+    finally:
+        t.close()
+    assert t.to_remove() == 0
+    assert _fds_of(os.getpid()) == fds_before

@@ -113,7 +113,10 @@ def mapped_libraries(pid: int, catalog: Catalog) -> dict[str, MappedLib]:
         if ".so" not in line:
             continue
         parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
+        # Only its code mapped is a library loaded: the dynamic loader maps
+        # the whole file read-only first, and a probe's runtime address
+        # (tracer.Tracer.attach) is found in its executable mapping.
+        if len(parts) < 6 or not parts[5].startswith("/") or "x" not in parts[1]:
             continue
         path = parts[5].rstrip("\n")
         fam = catalog.family_for(path.removesuffix(" (deleted)"))

@@ -50,6 +50,10 @@ class GhSiteKey(ct.Structure):
     _fields_ = [("pid", ct.c_uint32), ("fn", ct.c_uint32), ("addr", ct.c_uint64)]
 
 
+class GhProbeKey(ct.Structure):
+    _fields_ = [("pid", ct.c_uint32), ("pad", ct.c_uint32), ("addr", ct.c_uint64)]
+
+
 # Same layout as GhCall, for np.frombuffer over a batch of ring-buffer records.
 CALL_DTYPE = np.dtype({
     "names": [f[0] for f in GhCall._fields_],

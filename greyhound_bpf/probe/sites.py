@@ -37,18 +37,79 @@ def _load_segments(path: str, dev_ino: tuple[int, int, int]) -> tuple[tuple[int,
     return tuple(segs)
 
 
+def _segments(path: str) -> tuple[tuple[int, int, int], ...]:
+    """The file's PT_LOAD segments, read once per version of the file."""
+    try:
+        st = os.stat(path)
+        return _load_segments(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
+    except OSError:
+        return ()
+
+
 def file_vaddr(path: str, file_offset: int) -> int | None:
     """The ELF virtual address of a byte of the file, or None if no loaded
     segment holds it."""
-    try:
-        st = os.stat(path)
-        segs = _load_segments(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
-    except OSError:
-        return None
-    for off, vaddr, size in segs:
+    for off, vaddr, size in _segments(path):
         if off <= file_offset < off + size:
             return file_offset - off + vaddr
     return None
+
+
+_FUNCTION_TYPES = {"STT_FUNC", "STT_GNU_IFUNC", "STT_LOOS"}   # pyelftools names IFUNC STT_LOOS
+
+
+def exported_functions(path: str, names: set[str]) -> dict[str, int] | None:
+    """ELF virtual address of each of `names` that the file exports as a
+    function, looked up in its GNU hash table; None if it has none (then
+    bcc's scan of every symbol does it)."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+    try:
+        with open(path, "rb") as fh:
+            table = ELFFile(fh).get_section_by_name(".gnu.hash")
+            if table is None:
+                return None
+            found = {}
+            for name in names:
+                sym = table.get_symbol(name)
+                if (sym is not None and sym["st_shndx"] != "SHN_UNDEF" and sym["st_value"]
+                        and sym["st_info"]["type"] in _FUNCTION_TYPES):
+                    found[name] = sym["st_value"]
+            return found
+    except (OSError, ELFError):
+        return None
+
+
+def maps_dev(st_dev: int) -> str:
+    """A device number as /proc/PID/maps writes it."""
+    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}"
+
+
+def runtime_addresses(pid: int, host_path: str, dev: str, inode: int,
+                      vaddrs: list[int]) -> dict[int, int]:
+    """ELF virtual address -> the address the process runs it at, for those
+    of `vaddrs` in an executable mapping of the file (dev and inode as
+    /proc/PID/maps gives them): where a uprobe placed by that address hits."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            maps = [line.split(None, 5) for line in fh]
+    except OSError:
+        return {}
+    spans = []
+    for parts in maps:
+        if len(parts) >= 5 and "x" in parts[1] and parts[3] == dev and int(parts[4]) == inode:
+            lo, _, hi = parts[0].partition("-")
+            spans.append((int(lo, 16), int(hi, 16), int(parts[2], 16)))
+    segs = _segments(host_path)
+    out = {}
+    for v in vaddrs:
+        # The file offset, as bcc finds it to place a uprobe by address.
+        off = next((v - sv + so for so, sv, size in segs if sv <= v < sv + size), None)
+        for lo, hi, pgoff in spans:
+            if off is not None and pgoff <= off < pgoff + hi - lo:
+                out[v] = lo + off - pgoff
+                break
+    return out
 
 
 def site_location(pid: int, addr: int) -> tuple[str, int] | str:

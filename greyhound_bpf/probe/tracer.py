@@ -1,18 +1,23 @@
 """The BPF side of the tracer: load probes/calls.bpf.c, attach uprobes to the
 libraries each target maps, and drain the ring buffer into NumPy records.
 
-One uprobe and one uretprobe per (process, function address); a function
-that may throw gets a uprobe at each return site its callers use instead of
-the uretprobe (probes/greyhound.h), placed as the entry probe reports them.
-Symbols are resolved once per library file (libtorch_cpu's symbol table
-takes ~0.5 s to scan) and aliases at one address (ncclX / pncclX) are
-attached once.
+One uprobe and one uretprobe per (process, function address), all running
+the same two BPF programs: the entry program finds the function from the
+address it hit (`probe_fn`, written here as each probe is placed). A
+function that may throw gets a uprobe at each return site its callers use
+instead of the uretprobe (probes/greyhound.h), placed as the entry probe
+reports them.
+Symbols are looked up once per library file, in its GNU hash table (bcc's
+scan of libtorch_cpu's 440k symbols takes 0.3-0.4 CPU s, the lookup 0.03 s),
+and aliases at one address (ncclX / pncclX) are attached once.
 """
 from __future__ import annotations
 
 import ctypes as ct
 import os
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -22,8 +27,8 @@ from .. import GreyhoundError
 from .catalog import Catalog, FunctionSpec, probes_dir
 from .discovery import MappedLib, Target
 from .records import (CALL_DTYPE, GH_F_NEW_SITE, GH_SITE_PROBED, GH_SITE_UNPROBEABLE,
-                      GH_SPEC_RETURN_SITE, GhFnSpec)
-from .sites import site_location
+                      GH_SPEC_RETURN_SITE, GhFnSpec, GhProbeKey)
+from .sites import exported_functions, runtime_addresses, site_location
 
 SITE_SWEEP_S = 1.0   # return sites are looked for this often even without a wake-up record
 DEFAULT_RINGBUF_PAGES = 256   # 1 MiB: ~10k records, ~0.2 s of a busy 8-GPU node at VM probe cost
@@ -48,6 +53,7 @@ class Probe:
     path: str       # host path of the library
     addr: int       # symbol address as bcc takes it
     symbol: str
+    runtime: int    # where the process runs it: the entry probe's key
 
 
 class Tracer:
@@ -73,6 +79,12 @@ class Tracer:
         # calls from there go untimed. Read and cleared by the caller.
         self.site_problems: dict[tuple[int, str], str] = {}
         self._sites_looked = 0.0
+        # Perf-event fds of detached probes, closed off the caller's thread:
+        # the kernel takes each uprobe out with a grace period (0.1 s each
+        # here, one at a time), which for a rank's 20-50 probes would stall
+        # the loop that drains the ring buffer and attaches relaunched ranks.
+        self._closing: queue.Queue = queue.Queue()
+        self._closer: threading.Thread | None = None
 
     # -- loading -----------------------------------------------------------
 
@@ -80,11 +92,8 @@ class Tracer:
         # A record takes its size plus an 8-byte ring header.
         capacity = self.ringbuf_pages * 4096 // (CALL_DTYPE.itemsize + 8)
         wakeup_every = max(1, min(64, capacity // 4))
-        retprobes = sum(1 << fn.fid for fn in self.catalog.functions if not fn.return_site)
         return [f"-I{probes_dir()}", f"-DGH_RINGBUF_PAGES={self.ringbuf_pages}",
-                f"-DGH_WAKEUP_EVERY={wakeup_every}",
-                f"-DGH_NFUNCS={len(self.catalog.functions)}",
-                f"-DGH_RETPROBES={retprobes:#x}ULL"]
+                f"-DGH_WAKEUP_EVERY={wakeup_every}"]
 
     def source_path(self) -> str:
         return str(probes_dir() / "calls.bpf.c")
@@ -120,12 +129,16 @@ class Tracer:
             raise GreyhoundError(f"cannot open {lib.host_path}: {e.strerror}") from None
         key = (st.st_dev, st.st_ino, st.st_mtime_ns)
         if key not in self._symcache:
-            from bcc import BPF
             fam = self.catalog.families[lib.family]
             wanted = {s for fn in fam.functions for s in fn.symbols} | set(fam.counters)
-            pattern = "^(" + "|".join(re.escape(s) for s in sorted(wanted)) + ")$"
-            found = BPF.get_user_functions_and_addresses(lib.host_path.encode(), pattern.encode())
-            self._symcache[key] = {name.decode(): addr for name, addr in found}
+            found = exported_functions(lib.host_path, wanted)
+            if found is None:
+                from bcc import BPF
+                pattern = "^(" + "|".join(re.escape(s) for s in sorted(wanted)) + ")$"
+                found = {name.decode(): addr for name, addr in
+                         BPF.get_user_functions_and_addresses(lib.host_path.encode(),
+                                                              pattern.encode())}
+            self._symcache[key] = found
         return self._symcache[key]
 
     def attach(self, target: Target, families: list[str] | None = None) -> list[Probe]:
@@ -137,6 +150,8 @@ class Tracer:
                 continue
             symbols = self.resolve(lib)
             fam = self.catalog.families[fam_name]
+            runtime = runtime_addresses(target.pid, lib.host_path, lib.dev, lib.inode,
+                                        list(symbols.values()))
             seen_addrs: set[int] = set()
             for fn in fam.functions:
                 sym = next((s for s in fn.symbols if s in symbols), None)
@@ -144,11 +159,15 @@ class Tracer:
                     continue
                 addr = symbols[sym]
                 seen_addrs.add(addr)
-                probe = Probe(target.pid, fn, lib.host_path, addr, sym)
+                probe = Probe(target.pid, fn, lib.host_path, addr, sym, runtime.get(addr, 0))
                 try:
+                    if not probe.runtime:
+                        raise RuntimeError(f"{sym} at {addr:#x} is in no executable mapping "
+                                           f"of {lib.path}")
                     self._attach_one(probe)
                 except Exception as e:
                     self._detach_events(target.pid)
+                    self._forget(target.pid, [*placed, probe])
                     if not os.path.exists(f"/proc/{target.pid}"):
                         return []
                     raise GreyhoundError(f"attaching {fn.name} in pid {target.pid} failed: {e}",
@@ -165,11 +184,12 @@ class Tracer:
         return placed
 
     def _attach_one(self, p: Probe) -> None:
-        self._attach_raw(p.pid, p.path, p.addr, f"gh_enter_{p.fn.fid}", retprobe=False)
+        self.bpf["probe_fn"][GhProbeKey(pid=p.pid, addr=p.runtime)] = ct.c_uint32(p.fn.fid)
+        self._attach_raw(p.pid, p.path, p.addr, "gh_enter", retprobe=False)
         if p.fn.return_site:
             return
         try:
-            self._attach_raw(p.pid, p.path, p.addr, f"gh_return_{p.fn.fid}", retprobe=True)
+            self._attach_raw(p.pid, p.path, p.addr, "gh_return", retprobe=True)
         except Exception:
             self._detach_events(p.pid)
             raise
@@ -190,7 +210,7 @@ class Tracer:
             where = site_location(pid, addr)
             if not isinstance(where, str):
                 try:
-                    self._attach_raw(pid, where[0], where[1], "gh_site", retprobe=False)
+                    self._attach_raw(pid, where[0], where[1], "gh_return", retprobe=False)
                 except Exception as e:
                     where = f"a uprobe at {addr:#x} failed: {e}"
             if isinstance(where, str):
@@ -208,18 +228,41 @@ class Tracer:
         attach(name=path.encode(), addr=addr, fn_name=fn_name.encode(), pid=pid)
         self._events.setdefault(pid, []).extend(set(self.bpf.uprobe_fds) - before)
 
+    def _forget(self, pid: int, probes: list[Probe]) -> None:
+        """Drop the entry probes' addresses of `pid` (a later process with
+        this pid maps its libraries elsewhere)."""
+        table = self.bpf["probe_fn"]
+        for p in probes:
+            table.pop(GhProbeKey(pid=pid, addr=p.runtime), None)
+
     def _detach_events(self, pid: int) -> None:
         for ev in self._events.pop(pid, []):
-            try:
-                self.bpf.detach_uprobe_event(ev)
-            except Exception:
-                # bcc closes the fd first; only the tracefs clean-up can fail,
-                # and perf-PMU uprobes have no tracefs entry.
-                self.bpf.uprobe_fds.pop(ev, None)
+            fd = self.bpf.uprobe_fds.pop(ev, None)
+            if fd is not None:
+                self._closing.put((ev, fd))
+        if self._closer is None and not self._closing.empty():
+            self._closer = threading.Thread(target=self._close_events, name="probe-closer",
+                                            daemon=True)
+            self._closer.start()
+
+    def _close_events(self) -> None:
+        from bcc.libbcc import lib
+        while (item := self._closing.get()) is not None:
+            ev, fd = item
+            lib.bpf_close_perf_event_fd(fd)
+            # Only an event made through tracefs (not the perf uprobe PMU)
+            # has an entry there to remove; for the others this fails.
+            lib.bpf_detach_uprobe(ev)
+            self._closing.task_done()
+        self._closing.task_done()
+
+    def to_remove(self) -> int:
+        """Uprobes still in the kernel: placed, or detached and being taken out."""
+        return self._closing.unfinished_tasks + sum(len(e) for e in self._events.values())
 
     def detach(self, pid: int) -> None:
-        self.probes.pop(pid, None)
         self._detach_events(pid)
+        self._forget(pid, self.probes.pop(pid, []))
         if self._sites.pop(pid, None) is not None:
             # A later process with this pid reports its own sites.
             table = self.bpf["sites"]
@@ -267,5 +310,9 @@ class Tracer:
         if self.bpf is not None:
             for pid in list(self.probes):
                 self.detach(pid)
+            if self._closer is not None:
+                self._closing.put(None)          # after every fd queued before it
+                self._closer.join()
+                self._closer = None
             self.bpf.cleanup()
             self.bpf = None

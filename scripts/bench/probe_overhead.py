@@ -36,6 +36,7 @@ from harness import DDPJob, rank_pids  # noqa: E402
 
 from greyhound_bpf.probe.catalog import Catalog, Family, FunctionSpec  # noqa: E402
 from greyhound_bpf.probe.discovery import MappedLib, Target  # noqa: E402
+from greyhound_bpf.probe.sites import maps_dev  # noqa: E402
 from greyhound_bpf.probe.tracer import Tracer  # noqa: E402
 
 
@@ -88,7 +89,7 @@ def bench_catalog(exe: Path, return_site: bool = False) -> Catalog:
 def run_greyhound(exe, calls, tracer: Tracer) -> tuple[float, int, int]:
     p = start_target(exe, calls)
     st = os.stat(exe)
-    lib = MappedLib("bench", str(exe), str(exe), "", st.st_ino)
+    lib = MappedLib("bench", str(exe), str(exe), maps_dev(st.st_dev), st.st_ino)
     tracer.attach(Target(p.pid, 0, "ghbench", 0, 0, 1, {"bench": lib}))
     got, stop = [0], threading.Event()
     lost0 = tracer.lost_total()
