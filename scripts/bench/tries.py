@@ -159,7 +159,14 @@ def main(argv=None) -> int:
         return 130
     finally:
         job.close()
-        shutil.rmtree(work, ignore_errors=True)
+        missed = sum(not r["ok"] for k in kinds for r in results[k])
+        if missed:
+            # A miss is looked into afterwards: the tracers' events and the
+            # job's own log stay.
+            print(f"bench_tries: {missed} missed; every try's events are kept in {work}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"\n{NPROC} user_train ranks ({' '.join(TRAIN)}), seed {args.seed}:")
     print(f"{'straggler':<26} {'named':>9} {'wrong':>6} {'delay (median)':>15}")
     for kind in kinds:
