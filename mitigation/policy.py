@@ -55,6 +55,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from greyhound_bpf.diagnosis.rules import device_healthy
 from greyhound_bpf.events import is_speed_sample
 
 from .episode import RECHECK_AFTER_S
@@ -243,9 +244,9 @@ class SkiRentalPolicy:
         cause, ranks, evidence = ev.get("cause"), ev.get("ranks") or [], ev.get("evidence")
         e = self.episode
         if evidence == "validation" and e is not None and e.straggler is not None:
-            measured = (ev.get("details") or {}).get("devices") or {}
-            if str(e.straggler) in measured and not (cause == "computation"
-                                                     and e.straggler in ranks):
+            # Healthy only if this measurement says so, whatever its verdict
+            # (that is "unknown" when a link measures slow too).
+            if device_healthy(ev.get("details") or {}, e.straggler):
                 if self.straggler is not None:
                     # Its device measures healthy now: the fault is gone.
                     return self._end(f"rank {e.straggler}'s device measures healthy again: "

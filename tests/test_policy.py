@@ -133,6 +133,23 @@ def test_the_fault_gone_is_decided_by_a_measurement_not_by_speeds_under_the_plan
     assert run(pol, job, 50) == [] and not pol.slow
 
 
+def test_an_inconclusive_validation_that_measures_the_device_slow_keeps_the_plan():
+    # What a two-node CI run saw: under the plan, a validation measured rank
+    # 2's GEMM x8.7 the reference, but every edge of two other ranks slow
+    # too, so its verdict was "unknown" (a device and a link both slow).
+    # That is no evidence the fault is gone: the plan stays.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    both = verdict(job, [0, 1, 2], cause="unknown", evidence="validation",
+                   devices={0: 3.0, 1: 3.1, 2: 26.1, 3: 3.0}, ref=3.0)
+    assert plans(pol.observe(both)) == []
+    assert pol.straggler == 2
+    # A validation too narrow to judge (one device, no reference) says nothing either.
+    assert plans(pol.observe(verdict(job, [], cause="unknown", evidence="validation",
+                                     devices={2: 26.1}, ref=None))) == []
+    assert pol.straggler == 2 and plans(run(pol, job, 100)) == []
+
+
 def test_work_never_moves_onto_the_slow_rank_and_at_most_two_changes():
     job, pol, out = quota_job()
     first = plans(out)[0]

@@ -137,6 +137,14 @@ def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
     return ref, spread, slow
 
 
+def device_healthy(details: dict, rank: int) -> bool:
+    """Did a validation (its `details`) measure `rank`'s device healthy,
+    judged as `decide` judges it? Not where it was not measured, or was
+    measured alone (no reference to judge it by)."""
+    gemm = {int(r): d["ms_per_gemm"] for r, d in (details.get("devices") or {}).items()}
+    return rank in gemm and len(gemm) >= 2 and rank not in outliers(gemm)[2]
+
+
 def _rank_links(rtt: dict):
     """A rank's link bounds each of its edges: its fastest edge is its link.
     -> (reference, {rank: ratio} of the slow rank links)."""
