@@ -102,15 +102,19 @@ class BOCD:
 
 
 def default_prior(x: np.ndarray) -> dict:
-    """A data-scaled Normal-Gamma prior: centred on the median, with the
-    noise scale of the first differences (robust to level shifts)."""
+    """The textbook's data-scaled Normal-Gamma prior (Adams & MacKay; what
+    TCPD's benchmark runs by default): the prior (0, 1, 1, 1) on the
+    z-scored series, said in the series' own units. Chosen on the tune split
+    of the annotated real series (tests/fixtures/tcpd, scripts/bench_changepoints):
+    priors scaled by the first differences, or by the geometric mean of that
+    and the level's spread, scored higher F1 there but lower covering (they
+    cut wandering and trending series into many segments); this one matches
+    the textbook on both, as the issue asks."""
     x = np.asarray(x, dtype=np.float64)
-    if len(x) < 2:
-        return {"mu0": float(x[0]) if len(x) else 0.0, "kappa0": 0.1, "alpha0": 1.0, "beta0": 1.0}
-    d = np.diff(x)
-    mad = np.median(np.abs(d - np.median(d))) * 1.4826 / math.sqrt(2)
-    scale = mad if mad > 0 else (np.std(x) or 1.0)
-    return {"mu0": float(np.median(x)), "kappa0": 0.1, "alpha0": 1.0, "beta0": float(scale ** 2)}
+    if len(x) == 0:
+        return {"mu0": 0.0, "kappa0": 1.0, "alpha0": 1.0, "beta0": 1.0}
+    return {"mu0": float(x.mean()), "kappa0": 1.0, "alpha0": 1.0,
+            "beta0": float(x.var()) or 1.0}
 
 
 def changepoints(x, *, hazard: float = CHANGEPOINTS_HAZARD, mu0: float | None = None,
@@ -126,9 +130,10 @@ def changepoints(x, *, hazard: float = CHANGEPOINTS_HAZARD, mu0: float | None = 
     first observation of every segment but the first (0 is never returned),
     in increasing order.
 
-    Parameters not given come from ``default_prior(x)``: mean at the median
-    of x, noise scale from the median absolute first difference. ``hazard``
-    is the prior probability of a change before each observation.
+    Parameters not given come from ``default_prior(x)``: the textbook's
+    prior on the z-scored series (mean at x's mean, noise scale its standard
+    deviation). ``hazard`` is the prior probability of a change before each
+    observation.
     """
     x = np.ascontiguousarray(np.asarray(x, dtype=np.float64))
     if x.ndim != 1:
