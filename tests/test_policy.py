@@ -150,6 +150,26 @@ def test_an_inconclusive_validation_that_measures_the_device_slow_keeps_the_plan
     assert pol.straggler == 2 and plans(run(pol, job, 100)) == []
 
 
+def test_before_a_plan_an_inconclusive_validation_does_not_clear_the_name():
+    # The same reading before any plan: a validation that measured the named
+    # rank's device slow (and a link too) is no sign the name was a busy
+    # moment, so the straggler stays named and the plan still comes.
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    job.quota[2] = (5, 2.0)
+    run(pol, job, 2)
+    out = pol.observe(slowdown(job, 10.0, 18.0, 20, 22))
+    out += pol.observe(verdict(job, [2]))               # too early for a plan: loss < cost
+    assert plans(out) == []
+    out += pol.observe(verdict(job, [0, 1, 2], cause="unknown", evidence="validation",
+                               devices={0: 3.0, 1: 3.1, 2: 26.1, 3: 3.0}, ref=3.0))
+    out += run(pol, job, 20)
+    (p,) = plans(out)
+    assert p.plan["microbatches"][2] < 8
+
+
 def test_work_never_moves_onto_the_slow_rank_and_at_most_two_changes():
     job, pol, out = quota_job()
     first = plans(out)[0]
