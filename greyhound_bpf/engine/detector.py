@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels
-from .bocd import BOCD, DEFAULT_HAZARD, RunLengthSummary, default_prior
+from .bocd import BOCD, DEFAULT_HAZARD, RunLengthSummary, level_shift_prior
 
 # A slowdown is reported when iterations get at least this much slower: the
 # fail-slow faults worth acting on cost 10-60% (DESIGN.md); smaller level
@@ -132,7 +132,7 @@ class SlowdownDetector:
             if self.n < self.warmup:
                 return None
             base = self._logs[:self._len].copy()
-            p = default_prior(base)
+            p = level_shift_prior(base)
             self._bocd = BOCD(hazard=self.hazard, mu0=p["mu0"], kappa0=0.05, alpha0=2.0,
                               beta0=2.0 * max(p["beta0"], 1e-6))
             self.state = "ok"
