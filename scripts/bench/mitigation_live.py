@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--fault", type=float, default=40.0, help="seconds the fault lasts")
     p.add_argument("--after", type=float, default=60.0,
                    help="longest wait for the even split once the quota is lifted")
+    p.add_argument("--keep", action="store_true",
+                   help="keep each run's work directory (events, the trainer's log)")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_mitigation: needs root (BPF and cgroups): sudo scripts/bench_mitigation",
@@ -182,7 +184,10 @@ def main(argv=None) -> int:
             try:
                 rnd["mitigate" if mitigate else "advise"] = one_run(work, mitigate, args)
             finally:
-                shutil.rmtree(work, ignore_errors=True)
+                if args.keep:
+                    print(f"kept {work}", file=sys.stderr)
+                else:
+                    shutil.rmtree(work, ignore_errors=True)
         adv, mit = rnd["advise"], rnd["mitigate"]
         healthy_n = adv["fault_s"] * 1e3 / adv["healthy_ms"]
         best_n = achievable(adv)
