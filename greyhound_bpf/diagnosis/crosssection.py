@@ -30,6 +30,10 @@ span WINDOW_S seconds, never under MIN_WINDOW (looks come closer in
 proportion). A job at a few iterations per second, which is how a user
 finds a strong straggler, is then named in seconds, not in 24 iterations.
 
+Where the trainer announced an uneven split of the work (a plan in force),
+compute is compared at an even share (each rank's scaled by its share):
+a rank a plan gave more work is then no straggler, whoever waits for it.
+
 A verdict is a passive `diagnosis` (`details.method: "cross-section"`). It
 is said once per straggler; a rank that stopped standing out for `looks`
 looks can be named again.
@@ -80,6 +84,24 @@ class CrossSection:
         self.named: int | None = None                # the straggler last named
         self.last: dict | None = None                # the numbers of the last look
         self._lowest: int | None = None              # min(self.rows)
+        self._work: dict[int, int] | None = None     # an uneven split of the work
+
+    def work(self, microbatches: dict[int, int] | None) -> None:
+        """Each rank's share of the work (the micro-batches the trainer
+        announced), or None. Compute is compared per unit of work, so that
+        a rank a plan gave more work is not taken for a straggler; the wait
+        test still reads the collectives as they are. A new uneven split
+        starts the window anew (iterations under two splits compare
+        nothing); an even one scales nothing."""
+        m = {int(r): int(n) for r, n in (microbatches or {}).items() if int(n) > 0}
+        m = m if len(set(m.values())) > 1 else None
+        if m == self._work:
+            return
+        self._work = m
+        self.rows.clear()
+        self._lowest = None
+        self._streak = []
+        self._since_look = 0
 
     def observe(self, ev: dict) -> list[Diagnosis]:
         if not is_speed_sample(ev):
@@ -117,7 +139,11 @@ class CrossSection:
                for r, q in self.rows.items()}
         if any(len(w) < n // 2 for w in win.values()):
             return []           # a rank missing from the window (exited, not locked)
-        comp = {r: statistics.median(x[3] for x in w) for r, w in win.items()}
+        scale = {r: 1.0 for r in win}
+        if self._work and all(r in self._work for r in win):
+            mean = statistics.mean(self._work[r] for r in win)
+            scale = {r: mean / self._work[r] for r in win}     # compute at an even share
+        comp = {r: scale[r] * statistics.median(x[3] for x in w) for r, w in win.items()}
         comm = {r: statistics.median(x[4] for x in w) for r, w in win.items()}
         it = statistics.median(x[2] for w in win.values() for x in w)
         s = max(comp, key=comp.get)
@@ -126,11 +152,13 @@ class CrossSection:
         w_o = statistics.median(comm[r] for r in others)
         excess = comp[s] - c_o
         top = max(comp[r] for r in others)
-        share = sum(x[3] > top for x in win[s]) / len(win[s])
+        share = sum(scale[s] * x[3] > top for x in win[s]) / len(win[s])
         ok = (excess >= self.excess * it and excess >= self.rel_excess * c_o
               and w_o - comm[s] >= self.wait_share * excess and share >= self.consistent)
         self.last = {"iteration_ms": round(it, 3), "suspect": s, "excess_ms": round(excess, 3),
                      "consistent": round(share, 3),
+                     "work": {str(r): n for r, n in sorted(self._work.items())}
+                     if self._work else None,
                      "ranks": {str(r): {"compute_ms": round(comp[r], 3),
                                         "comm_ms": round(comm[r], 3)} for r in sorted(comp)}}
         t = ev["start_ns"] + ev["dur_ns"]
@@ -152,7 +180,8 @@ class CrossSection:
                    "since_ns": self._streak[0][1], **self.last}
         return [Diagnosis("passive", "computation",
                           f"rank {s} computes {excess:.1f} ms per iteration longer than the "
-                          f"others ({comp[s]:.1f} against {c_o:.1f} ms, the largest in "
+                          f"others{' at an even share of the work' if self._work else ''} "
+                          f"({comp[s]:.1f} against {c_o:.1f} ms, the largest in "
                           f"{100 * share:.0f}% of its iterations) while they wait "
                           f"{w_o - comm[s]:.1f} ms longer in collectives: it is the straggler "
                           "now, whatever the job did before",
