@@ -322,8 +322,7 @@ class JobAnalysis:
         docs = {int(r): d for r, d in inp.docs.items()}
         self.acks_seen = docs
         self.policy.acks(docs)
-        self.cross.work({r: d["microbatches"] for r, d in docs.items()
-                         if isinstance(d.get("microbatches"), int)})
+        self.cross.work({r: d.get("microbatches") for r, d in docs.items()})
         self.policy.restart_observed_s = inp.restart_observed_s
         p = self.plan
         if p is None or not docs:

@@ -86,14 +86,15 @@ class CrossSection:
         self._lowest: int | None = None              # min(self.rows)
         self._work: dict[int, int] | None = None     # an uneven split of the work
 
-    def work(self, microbatches: dict[int, int] | None) -> None:
+    def work(self, microbatches: dict[int, int | None] | None) -> None:
         """Each rank's share of the work (the micro-batches the trainer
-        announced), or None. Compute is compared per unit of work, so that
+        announced; a rank that announced none makes the split unknown), or
+        None. Compute is compared per unit of work, so that
         a rank a plan gave more work is not taken for a straggler; the wait
         test still reads the collectives as they are. A new uneven split
         starts the window anew (iterations under two splits compare
         nothing); an even one scales nothing."""
-        m = {int(r): int(n) for r, n in (microbatches or {}).items() if int(n) > 0}
+        m = {r: n for r, n in (microbatches or {}).items() if isinstance(n, int) and n > 0}
         m = m if len(set(m.values())) > 1 else None
         if m == self._work:
             return
