@@ -7,9 +7,10 @@ after the onset with before it:
 - **computation straggler**: one rank's compute grew by at least a quarter
   of the slowdown, or by 15% of it and 3x any other rank's growth (and by
   half its own value) while every other rank's
-  compute stayed flat and its blocked time grew by at least half of it, and
-  by more than the straggler's (they wait for it in the collective;
-  DESIGN.md: with synchronous gloo collectives the slow rank waits least);
+  compute stayed flat and its blocked time grew (by a quarter of it), the
+  others' median by at least half of it and by more than the straggler's
+  (they wait for it in the collective; DESIGN.md: with synchronous gloo
+  collectives the slow rank waits least);
 - **communication**: blocked time grew by at least half the slowdown (and by
   half its own value, the median rank's doubling: `COMM_RATIO`) on every
   rank while no rank's compute grew by more than a quarter of it; the
@@ -281,10 +282,14 @@ class PassiveDiagnoser:
         if len(grew) == 1:
             s = grew[0]
             others = [r for r in per if r != s]
-            # ...the others wait for it, and longer than it waits for them.
-            if all(d_comm[r] >= GROW * delta and d_comp[r] < FLAT * delta
-                   and d_comm[r] > d_comm[s] for r in others):
-                waited = statistics.median(d_comm[r] for r in others)
+            # ...the others wait for it, and longer than it waits for them:
+            # their median (a quota's bursts make each rank's median over a
+            # window noisy; one of them may read under the straggler's),
+            # while every one of them waits longer than before.
+            waited = statistics.median(d_comm[r] for r in others)
+            if (waited >= GROW * delta and waited > d_comm[s]
+                    and all(d_comm[r] >= FLAT * delta and d_comp[r] < FLAT * delta
+                            for r in others)):
                 return verdict("computation", f"rank {s}'s compute grew {d_comp[s]:.1f} ms per "
                                f"iteration while the others waited {waited:.1f} ms longer in "
                                "collectives", [s])
