@@ -196,6 +196,34 @@ def test_period_and_iteration_time(period, noise):
     assert all(0 <= r.comm_ns <= r.dur_ns and r.comm_ns + r.compute_ns == r.dur_ns for r in recs)
 
 
+def test_one_call_per_iteration_is_a_period_of_one():
+    # A small model's gradients in one DDP bucket: one all-reduce per step.
+    cs = call_stream(1, n_iter=400, ntypes=1, seed=3)
+    est, recs, pcs = estimate(cs)
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1)]
+    assert len(recs) >= 0.75 * len(cs.iter_dur_ns)
+    assert median_error(cs, recs) <= 0.01
+    assert all(0 < r.comm_ns < r.dur_ns for r in recs)
+
+
+def test_one_call_type_with_phases_in_its_gaps_is_not_a_period_of_one():
+    # Three same-size buckets per step: the gaps tell the compute phase.
+    cs = call_stream(3, n_iter=400, ntypes=1, cv=0.1, seed=4)
+    est, recs, pcs = estimate(cs)
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 3)]
+    assert median_error(cs, recs) <= 0.01
+
+
+def test_a_new_call_type_after_a_period_of_one_relocks():
+    one = call_stream(1, n_iter=200, ntypes=1, seed=5)
+    two = call_stream(2, n_iter=200, ntypes=6, seed=6, t0_ns=int(one.start_ns[-1]) + 10**8)
+    est = IterationEstimator()
+    out = est.feed(one.types, one.start_ns, one.dur_ns, one.blocking)
+    out += est.feed(two.types + 10, two.start_ns, two.dur_ns, two.blocking)
+    pcs = [o for o in out if isinstance(o, PatternChange)]
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1), ("changed", 2)]
+
+
 def test_warming_up_reports_nothing():
     cs = call_stream(50, n_iter=2, seed=1)
     est, recs, pcs = estimate(cs)

@@ -5,6 +5,7 @@ from each caller, which may begin before that caller's return site is
 probed (gloo may throw, so it gets no uretprobe: probes/greyhound.h); the
 tracer counts those (`untimed`)."""
 import bisect
+import statistics
 import time
 from collections import Counter
 
@@ -70,6 +71,27 @@ def test_attach_mid_run_sees_calls_within_2s(ddp_job, tracer):
     assert job.proc.poll() is None, "the job must keep running after the tracer leaves"
     n = len(job.truth_records())
     wait_for(lambda: len(job.truth_records()) > n + 3, 30, "the job to keep training")
+
+
+def test_a_one_bucket_job_gets_its_iterations(ddp_job, tracer):
+    # A small model: its gradients fit one DDP bucket, one all-reduce per
+    # step and no other call. Each call is an iteration.
+    job = ddp_job(2, 0, "--hidden", "128", "--layers", "3", "--bucket-mb", "25", go=False)
+    wait_for(lambda: len(job.truth_records()) >= 5, 90, "the job to be training")
+    t = tracer([job.proc.pid], "-q", "--no-validate")
+    t.wait_attached(2, timeout=60)
+    wait_for(lambda: all(len(t.measured(r)) >= 100 for r in (0, 1)), 60,
+             "100 iterations per rank", interval=0.5, why=t.story)
+    assert t.stop() == 0
+    truth = job.truth_records()
+    assert truth[-1]["allreduces"] - truth[0]["allreduces"] == truth[-1]["index"] - \
+        truth[0]["index"], "the job must make one all-reduce per step"
+    assert {(e["rank"], e["period_calls"]) for e in t.events("pattern")} == {(0, 1), (1, 1)}
+    for r in (0, 1):
+        starts = [s["start_ns"] for s in truth if s["rank"] == r]
+        step_ms = statistics.median(b - a for a, b in zip(starts, starts[1:])) / 1e6
+        ours = statistics.median(e["dur_ns"] for e in t.measured(r)) / 1e6
+        assert abs(ours - step_ms) <= 0.1 * step_ms, (r, ours, step_ms)
 
 
 def test_ranks_that_start_after_the_attach(ddp_job, tracer):

@@ -11,6 +11,10 @@ import numpy as np
 
 from . import _kernels
 
+# Calls of one type seen before each one is taken for an iteration: three
+# first tries (16 calls each) that found no longer period in their gaps.
+ONE_CALL_MIN_CALLS = 48
+
 
 @dataclass(frozen=True)
 class IterationRecord:
@@ -71,6 +75,13 @@ class IterationEstimator:
     at a few iterations per second, locked at 1.9 s instead of 4.0 s on the
     corpus's tune recording (preslow-user4-r2-strong), and no replay of the
     corpus changed otherwise. Longer periods lock on a later try.
+
+    A rank whose every call is one type (function, communicator, size) and
+    whose host gaps show no phases repeating has one call per iteration (a
+    small model's gradients in one DDP bucket): after ONE_CALL_MIN_CALLS
+    calls with no longer period found, each call is an iteration (period 1,
+    from one call's end to the next one's). A call of another type later
+    breaks the match and the period is estimated again.
 
     Until a period is locked, ``state`` is "warming_up" and nothing is
     guessed.
@@ -201,6 +212,11 @@ class IterationEstimator:
                 break
         # Let the window grow before trying again.
         self._try_at = self._seen + max(self.min_calls, n // 4)
+        if best is None and n >= ONE_CALL_MIN_CALLS and (toks0 := self._types[lo:]).min() \
+                == toks0.max():
+            # One call type, and its gaps split it into no repeating phases:
+            # one call per iteration (a small model's one DDP bucket).
+            best = (1, len(toks0) - 1, 1.0, 1.0, None)
         if best is None:
             return None
         period, phase, score, peak, thr = best     # phase: index into the window
