@@ -20,7 +20,10 @@ after the onset with before it:
 - a cause is named only when it holds over the first `window` iterations
   after the onset and over the latest ones when the verdict is made
   (seconds later): a rank descheduled for a moment on a busy host looks like
-  a straggler at first, a fault lasts;
+  a straggler at first, a fault lasts. A straggler over the latest ones
+  that the first did not show (a CPU quota shows in every rank's
+  collectives at first) is named if the next `window` iterations show it
+  again;
 - otherwise ``unknown``, with the numbers: never a guess. A slowdown that
   grows in steps is judged from its first onset, then from each further
   step's onset until one names a cause: a fault that begins during a busy
@@ -108,6 +111,7 @@ class PassiveDiagnoser:
         self.slowdown: dict | None = None
         self.until_ns: int | None = None       # the slow level's end, once recovered
         self.steps: list[dict] = []            # further job slowdown steps, not yet judged
+        self.second: tuple | None = None       # (latest verdict, from_ns): to be held again
         self.done = False
         self._samples = 0
 
@@ -136,7 +140,7 @@ class PassiveDiagnoser:
                 self.steps.append(ev)
                 return self._try()
             self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
-            self.until_ns, self.steps = None, []
+            self.until_ns, self.steps, self.second = None, [], None
             return self._try()
         if kind == "applied" and self.slowdown is not None and not self.done:
             # A plan changes each rank's work: later iterations no longer
@@ -160,6 +164,7 @@ class PassiveDiagnoser:
                     (s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
                 out = self._try()
             self.slowdown, self.onset_ns, self.until_ns, self.steps = None, None, None, []
+            self.second = None
             return out
         return []
 
@@ -196,6 +201,7 @@ class PassiveDiagnoser:
                 continue
             earlier = out
             self.slowdown, self.onset_ns, self.done = step, int(step["onset_ns"]), False
+            self.second = None
             out = self._judge()
             if not out and self.until_ns is not None:
                 out, self.done = earlier, True      # too little evidence left: it stands
@@ -231,6 +237,8 @@ class PassiveDiagnoser:
             late[rank] = _medians(before, after[-self.window:])
         if len(per) < 2:
             return []
+        if self.second is not None:
+            return self._held_again(late, from_ns, newest)
         self.done = True
         v = self._classify(per, from_ns)
         if not v.named:
@@ -241,6 +249,15 @@ class PassiveDiagnoser:
         again = self._classify(late, from_ns)
         if (again.cause, again.ranks, again.link) == (v.cause, v.ranks, v.link):
             return [v]
+        if again.cause == "computation" and self.until_ns is None:
+            # A straggler now, not at the onset: a fault may settle (a CPU
+            # quota's cost shows in every rank's collectives first, in the
+            # straggler's compute once its bursts settle). It is named if
+            # it holds over the next `window` iterations too. (Not the other
+            # way: collectives that grew everywhere after a straggler passed
+            # are what a busy host does.)
+            self.second, self.done = (again, newest), False
+            return []
         details = {**v.details, "latest": {
             str(r): {k: round(x, 3) for k, x in p.items() if "after" in k}
             for r, p in sorted(late.items())}}
@@ -248,6 +265,23 @@ class PassiveDiagnoser:
                       reason=f"at first {v.reason}, but over the latest {self.window} "
                              f"iterations: {again.reason}; a passing episode is no fault "
                              "(validation measures it)")]
+
+    def _held_again(self, late: dict, from_ns: int, newest: int) -> list[Diagnosis]:
+        """The latest verdict named a cause the first did not: it stands if
+        the `window` iterations after it name it again."""
+        first, at = self.second
+        if self.until_ns is None and any(sum(r[0] > at for r in s.rows) < self.window
+                                         for s in self.ranks.values()):
+            return []
+        self.second, self.done = None, True
+        again = self._classify(late, from_ns)
+        if (again.cause, again.ranks, again.link) == (first.cause, first.ranks, first.link):
+            return [again.but(reason=f"{again.reason} (so over the latest {self.window} "
+                                     "iterations twice, seconds apart; not at the onset)")]
+        return [again.but(cause="unknown", ranks=(), communicator=None, link=None,
+                          reason=f"over the latest iterations {first.reason}, but over the "
+                                 f"next {self.window}: {again.reason}; a passing episode is "
+                                 "no fault (validation measures it)")]
 
     def _classify(self, per: dict, from_ns: int) -> Diagnosis:
         delta = statistics.median(p["iter_after_ms"] - p["iter_before_ms"] for p in per.values())
