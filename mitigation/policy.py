@@ -39,11 +39,16 @@ attach, a fault the job-level detector missed). Within it:
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
    after the plan was applied and then at doubling intervals (the
    validation budget applies); a validated verdict that measures it healthy
-   returns the even split and ends the episode. With validation off (or a
-   recheck refused), a trial return to the even split on that schedule: if the
-   job runs within RECOVERED of healthy at the even split for `window`
-   iterations, it stays; if not, the plan returns (a trial and its revert
-   are not plan changes; their cost is bounded by the doubling).
+   returns the even split and ends the episode. With validation off, a
+   recheck refused, or where a trial costs less than the recheck's pause (the
+   last one measured: the whole job stops, while a trial only runs slower for
+   a moment), a trial return to the even split on that schedule: if the job
+   runs within RECOVERED of healthy at the even split over `window`
+   iterations and at least `trial_min_s` (a CFS quota throttles in 100 ms
+   bursts: its iterations are fast or stalled, so the trial reads their mean,
+   not a median), it stays; if not, the plan returns (a trial and its revert
+   are not plan changes; their cost is bounded by the doubling;
+   mitigation.gone).
 7. **At most MAX_CHANGES plan changes per episode**, besides the return to
    even.
 8. **Restarts (S3/S4)** when the trainer can checkpoint and the loss a
@@ -61,6 +66,7 @@ from greyhound_bpf.events import is_speed_sample
 from .episode import RECHECK_AFTER_S
 from .episode import Episode as _Episode
 from .episode import Rank as _Rank
+from .gone import RECOVERED, TRIAL_MIN_S, FaultGone
 from .rebalance import RebalanceError, even_split, solve
 from .restart import Decision, restart_decision
 
@@ -68,8 +74,6 @@ RESTART_ESTIMATE_S = 60.0   # a restart's cost until greyhound-run has measured 
 # A slowdown is a blip, and gets no plan, until it has lasted this long (as
 # for the passive diagnosis: a busy host slows a rank for a moment).
 MIN_LASTED_S = 1.0
-# A slowdown is over when the job is back within this of its healthy speed.
-RECOVERED = 0.15
 # What solving for a new split costs, in the ski-rental sum: the solver's
 # time at 1,024 data-parallel ranks (scripts/bench_rebalance: 22.6 ms). A
 # constant, not the measured time: the policy is part of a pure analysis,
@@ -81,18 +85,18 @@ MIN_SLOWER = 0.10
 # A plan may be refined once, when it runs this much slower than predicted.
 REFINE_OFF = 0.15
 MAX_CHANGES = 2
-# Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
-# after the plan was applied (mitigation.episode), then at doubling intervals...
-RECHECK_MAX_S = 320.0
 
 
-class SkiRentalPolicy:
+class SkiRentalPolicy(FaultGone):
     def __init__(self, *, global_microbatches: int | None = None, world: int | None = None,
                  window: int = 8, min_gain: float = 0.05,
                  restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True,
-                 min_lasted_s: float = MIN_LASTED_S, validate: bool = True):
+                 min_lasted_s: float = MIN_LASTED_S, validate: bool = True,
+                 trial_min_s: float = TRIAL_MIN_S):
         self.window, self.min_gain = window, min_gain
         self.min_lasted_ns = int(min_lasted_s * 1e9)
+        self.trial_min_ns = int(trial_min_s * 1e9)
+        self.pause_ms: float | None = None        # the last validation pause measured
         self.global_microbatches, self.world = global_microbatches, world
         self.restart_estimate_s = restart_estimate_s
         self.restart_observed_s: float | None = None
@@ -134,17 +138,6 @@ class SkiRentalPolicy:
     def job_ms(self) -> float | None:
         lasts = [r.dur_ms[-1] for r in self.ranks.values() if r.dur_ms]
         return statistics.median(lasts) if lasts else None
-
-    def recheck_due(self, now_ns: int) -> int | None:
-        """The rank whose device should be measured again now (is the fault
-        that the plan in force works around gone?), or None."""
-        e = self.episode
-        if (e is None or not self.validate or e.recheck_at_ns is None
-                or now_ns < e.recheck_at_ns or self.straggler is None):
-            return None
-        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
-        e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
-        return e.straggler
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -243,6 +236,9 @@ class SkiRentalPolicy:
     def _diagnosis(self, ev: dict) -> list[Decision]:
         cause, ranks, evidence = ev.get("cause"), ev.get("ranks") or [], ev.get("evidence")
         e = self.episode
+        paused = (ev.get("details") or {}).get("paused_s") if evidence == "validation" else None
+        if isinstance(paused, (int, float)) and paused > 0:
+            self.pause_ms = 1e3 * paused
         if evidence == "validation" and e is not None and e.straggler is not None:
             # Healthy only if this measurement says so, whatever its verdict
             # (that is "unknown" when a link measures slow too).
@@ -337,6 +333,7 @@ class SkiRentalPolicy:
                                          "reading the control file?", numbers=self._numbers())]
             return []
         if e.trial is not None:
+            e.trial.setdefault("first_ns", ev["start_ns"])
             return self._trial_step()
         if self.since_plan % self.window == 0 or not e.changes:
             return self._decide()
@@ -484,6 +481,8 @@ class SkiRentalPolicy:
         what = "refine" if e.changes else "rebalance"
         reason = (f"dp rank {s} takes {t[s]:.2f} ms per micro-batch against a median of "
                   f"{others:.2f}: {what}" + (f" ({e.evidence} verdict)" if e.evidence else ""))
+        if not e.changes:
+            e.even_ms = job_ms
         e.changes += 1
         e.plan_ms, e.planned_for = expected, s
         e.recheck_at_ns = self._now_ns + int(RECHECK_AFTER_S * 1e9)
@@ -499,48 +498,6 @@ class SkiRentalPolicy:
             expected = self.recent_job_ms()
         return Decision("rebalance_microbatches", reason, expected, {"microbatches": dict(counts)},
                         self._numbers(solve_ms=None, **numbers))
-
-    def _trial_step(self) -> list[Decision]:
-        """A trial return to the even split (validation off): judged after a
-        window of iterations at the even split."""
-        e = self.episode
-        trial = e.trial
-        if self.since_plan < self.window:
-            return []
-        e.trial = None
-        got = statistics.median(self.job_history)
-        if e.healthy_ms and got <= e.healthy_ms * (1 + RECOVERED):
-            self.episode = None
-            return []                        # the fault is gone: the even split stays
-        e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
-        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
-        return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "
-                           f"iteration (healthy {e.healthy_ms:.1f}): the fault lasts, the plan "
-                           "returns", trial["expected_ms"])]
-
-    def recheck_refused(self, now_ns: int) -> None:
-        """The recheck could not be had (the validation budget): a trial
-        return to the even split is due instead."""
-        e = self.episode
-        if e is not None:
-            e.trial_due_ns = now_ns
-
-    def trial_due(self, now_ns: int) -> list[Decision]:
-        """A trial return to the even split, when due: with validation off,
-        on the recheck schedule; with it on, when a recheck was refused."""
-        e = self.episode
-        if (e is None or self.planned is not None or e.trial is not None
-                or self.straggler is None):
-            return []
-        if self.validate:
-            if e.trial_due_ns is None or now_ns < e.trial_due_ns:
-                return []
-            e.trial_due_ns = None
-        elif e.recheck_at_ns is None or now_ns < e.recheck_at_ns:
-            return []
-        e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms}
-        return [self._plan(self._even(), "trial: is the fault gone? the even split for "
-                           f"{self.window} iterations")]
 
     def _restart(self) -> Decision | None:
         """S3/S4, when the trainer can checkpoint and the loss pays for a restart."""

@@ -24,6 +24,10 @@ class Job:
         self.t = list(speeds)                    # ms per micro-batch, per rank
         self.quota: dict[int, tuple[int, float]] = {}
         self.wait_ms = 0.0        # every rank waits this much more (a slow GPU)
+        # A CFS quota's bursts: a throttled rank over its free count runs
+        # at full speed and stalls every `bursty`-th iteration for what the
+        # slowdown costs over those iterations (the same mean, fast median).
+        self.bursty = 0
         self.split = dict(enumerate(even_split(total, len(speeds))))
         self.index = 0
         self.now = 0
@@ -37,6 +41,12 @@ class Job:
 
     def iteration_events(self):
         compute = {r: self.split[r] * self.per_mb(r) for r in self.split}
+        if self.bursty:
+            for r, (free, factor) in self.quota.items():
+                if self.split[r] > free:
+                    fast = self.split[r] * self.t[r]
+                    stall = self.index % self.bursty == 0
+                    compute[r] = fast + (fast * (factor - 1) * self.bursty if stall else 0.0)
         dur = max(compute.values()) + OVERHEAD_MS + self.wait_ms
         evs = [{"kind": "iteration", "rank": r, "index": self.index, "start_ns": self.now,
                 "dur_ns": int(dur * 1e6), "compute_ns": int(compute[r] * 1e6),
@@ -406,13 +416,13 @@ def test_a_trial_return_to_even_when_validation_is_off():
     trial = pol.trial_due(job.now + int(60e9))
     assert sorted(trial[0].plan["microbatches"].values()) == [8, 8, 8, 8]
     apply(pol, job, trial[0])
-    back = plans(run(pol, job, 20))                     # the fault lasts: the plan returns
+    back = plans(run(pol, job, 80))                     # the fault lasts: the plan returns
     assert back and back[0].plan["microbatches"] == plan.plan["microbatches"]
     apply(pol, job, back[0])
     job.quota.clear()
     trial = pol.trial_due(job.now + int(600e9))
     apply(pol, job, trial[0])
-    assert plans(run(pol, job, 30)) == [] and not pol.slow    # gone: even stays
+    assert plans(run(pol, job, 120)) == [] and not pol.slow    # gone: even stays
 
 
 def test_a_refused_recheck_becomes_a_trial():
@@ -427,4 +437,48 @@ def test_a_refused_recheck_becomes_a_trial():
     (trial,) = pol.trial_due(job.now + int(61e9))
     assert sorted(trial.plan["microbatches"].values()) == [8, 8, 8, 8]
     apply(pol, job, trial)
-    assert plans(run(pol, job, 30)) == [] and not pol.slow
+    assert plans(run(pol, job, 120)) == [] and not pol.slow
+
+
+def validated(job, rank, ratio, paused_s):
+    v = verdict(job, [rank], evidence="validation",
+                devices={r: ratio if r == rank else 1.0 for r in range(4)}, ref=1.0)
+    v["details"]["paused_s"] = paused_s
+    return v
+
+
+def test_a_trial_stands_in_for_a_recheck_whose_pause_costs_more():
+    # The validation paused the job 2.7 s; a trial at the even split costs
+    # about 1 s x (18 - 11) / 18 of the job's time: the trial is had instead.
+    job, pol, out = quota_job()
+    pol.observe(validated(job, 2, 8.0, 2.7))
+    apply(pol, job, plans(out)[0])
+    assert pol.recheck_due(job.now + int(60e9)) is None
+    (trial,) = pol.trial_due(job.now + int(60e9))
+    assert sorted(trial.plan["microbatches"].values()) == [8, 8, 8, 8]
+    assert "recheck's pause 2700" in trial.reason
+    apply(pol, job, trial)
+    assert plans(run(pol, job, 40)) == []               # under a second: not judged yet
+    (back,) = plans(run(pol, job, 40))                  # the fault lasts: the plan returns
+    assert back.plan["microbatches"][2] < 8
+    # A pause shorter than the trial's cost: the recheck is had.
+    job, pol, out = quota_job()
+    pol.observe(validated(job, 2, 8.0, 0.05))
+    apply(pol, job, plans(out)[0])
+    assert pol.recheck_due(job.now + int(60e9)) == 2
+
+
+def test_a_trial_reads_the_mean_of_a_bursty_fault_not_its_median():
+    # Under a CFS quota a fast job's iterations are fast, or stalled for
+    # the rest of the period: the median reads healthy while the job runs
+    # 1.6x slower. The trial must see the fault still there.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    assert pol.recheck_due(job.now + int(60e9)) == 2
+    pol.recheck_refused(job.now + int(60e9))
+    job.bursty = 6
+    (trial,) = pol.trial_due(job.now + int(61e9))
+    apply(pol, job, trial)
+    (back,) = plans(run(pol, job, 120))
+    assert back.plan["microbatches"][2] < 8 and "the fault lasts" in back.reason
+    assert pol.slow

@@ -1,0 +1,106 @@
+"""Is the fault gone? The part of the policy (mitigation.policy) that
+decides it from evidence that does not depend on the plan in force: a
+recheck of the straggler's device, or a trial return to the even split,
+whichever costs the job less.
+
+A recheck stops the whole job for the length of a validation pause (the
+last one measured); a trial only runs it at the even split's slow speed for
+a moment: `window` iterations and at least `trial_min_s`. Where the trial
+costs less, it is had instead (on a fast job it costs tens of times less).
+A trial is judged by the mean of its iterations: under a CFS quota a fast
+job's iterations are fast, or stalled for the rest of the quota's period,
+and their median reads healthy while the job runs slow.
+"""
+from __future__ import annotations
+
+from .restart import Decision
+
+# A slowdown is over when the job is back within this of its healthy speed.
+RECOVERED = 0.15
+# Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
+# after the plan was applied (mitigation.episode), then at doubling intervals...
+RECHECK_MAX_S = 320.0
+# A trial at the even split lasts at least this long: ten periods of the
+# CFS quota (100 ms), whose bursts make a fast job's iterations fast or
+# stalled (a 40 s fault at 8 ms per iteration: ~12 in a burst).
+TRIAL_MIN_S = 1.0
+
+
+class FaultGone:
+    """Mixed into SkiRentalPolicy: reads its episode, split, samples and
+    settings (window, validate, trial_min_ns, pause_ms), and plans with its
+    _plan and _even."""
+
+    def recheck_due(self, now_ns: int) -> int | None:
+        """The rank whose device should be measured again now (is the fault
+        that the plan in force works around gone?), or None."""
+        e = self.episode
+        if (e is None or not self.validate or e.recheck_at_ns is None
+                or now_ns < e.recheck_at_ns or self.straggler is None):
+            return None
+        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
+        trial = self._trial_cost_ms()
+        if trial is not None and self.pause_ms is not None and trial < self.pause_ms:
+            e.trial_due_ns = now_ns          # cheaper than stopping the job to measure
+            return None
+        return e.straggler
+
+    def _trial_cost_ms(self) -> float | None:
+        """What a trial at the even split would cost the job while the fault
+        lasts: its span at the even split's (slow) speed, less the plan's."""
+        e = self.episode
+        if e is None or not e.even_ms or e.plan_ms is None:
+            return None
+        span = max(self.window * e.even_ms, self.trial_min_ns / 1e6)
+        return span * max(0.0, e.even_ms - e.plan_ms) / e.even_ms
+
+    def _trial_step(self) -> list[Decision]:
+        """A trial return to the even split: judged after a window of
+        iterations at the even split spanning at least trial_min_s, by their
+        mean (CFS bursts: the median of fast-or-stalled iterations reads
+        healthy while the job runs slow)."""
+        e = self.episode
+        trial = e.trial
+        span = self._now_ns - trial["first_ns"]
+        if self.since_plan < self.window or span < self.trial_min_ns:
+            return []
+        e.trial = None
+        got = span / 1e6 / self.since_plan
+        if e.healthy_ms and got <= e.healthy_ms * (1 + RECOVERED):
+            self.episode = None
+            return []                        # the fault is gone: the even split stays
+        e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
+        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "
+                           f"iteration (healthy {e.healthy_ms:.1f}): the fault lasts, the plan "
+                           "returns", trial["expected_ms"])]
+
+    def recheck_refused(self, now_ns: int) -> None:
+        """The recheck could not be had (the validation budget): a trial
+        return to the even split is due instead."""
+        e = self.episode
+        if e is not None:
+            e.trial_due_ns = now_ns
+
+    def trial_due(self, now_ns: int) -> list[Decision]:
+        """A trial return to the even split, when due: with validation off,
+        on the recheck schedule; with it on, when a recheck was refused."""
+        e = self.episode
+        if (e is None or self.planned is not None or e.trial is not None
+                or self.straggler is None):
+            return []
+        if self.validate:
+            if e.trial_due_ns is None or now_ns < e.trial_due_ns:
+                return []
+            e.trial_due_ns = None
+        elif e.recheck_at_ns is None or now_ns < e.recheck_at_ns:
+            return []
+        e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms}
+        cost, why = self._trial_cost_ms(), ""
+        if self.validate and cost is not None and self.pause_ms is not None \
+                and cost < self.pause_ms:
+            why = f" (about {cost:.0f} ms of the job's time, a recheck's pause {self.pause_ms:.0f})"
+        return [self._plan(self._even(), "trial: is the fault gone? the even split for "
+                           f"{self.window} iterations and "
+                           f"{self.trial_min_ns / 1e9:g} s{why}")]
