@@ -7,9 +7,12 @@ A recheck stops the whole job for the length of a validation pause (the
 last one measured); a trial only runs it at the even split's slow speed for
 a moment: `window` iterations and at least `trial_min_s`. Where the trial
 costs less, it is had instead (on a fast job it costs tens of times less).
-A trial is judged by the mean of its iterations: under a CFS quota a fast
+A trial is judged by the mean of its iterations (under a CFS quota a fast
 job's iterations are fast, or stalled for the rest of the quota's period,
-and their median reads healthy while the job runs slow.
+and their median reads healthy while the job runs slow): the even split
+stays when it runs within RECOVERED of healthy, or faster than the plan's
+own mean since it was applied (whatever healthy was measured as, the plan
+no longer pays).
 """
 from __future__ import annotations
 
@@ -67,9 +70,13 @@ class FaultGone:
             return []
         e.trial = None
         got = span / 1e6 / self.since_plan
-        if e.healthy_ms and got <= e.healthy_ms * (1 + RECOVERED):
+        plan_ms = trial.get("plan_ms")
+        if (e.healthy_ms and got <= e.healthy_ms * (1 + RECOVERED)) or (
+                plan_ms and got < plan_ms):
+            # The fault is gone, or the even split now runs faster than the
+            # plan did (both means: the plan no longer pays): it stays.
             self.episode = None
-            return []                        # the fault is gone: the even split stays
+            return []
         e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
         e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
         return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "
@@ -96,7 +103,11 @@ class FaultGone:
             e.trial_due_ns = None
         elif e.recheck_at_ns is None or now_ns < e.recheck_at_ns:
             return []
-        e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms}
+        # The plan's own mean iteration since it was applied: the trial
+        # keeps the even split if it runs faster than that.
+        plan_ms = ((self._now_ns - self.split_from_ns) / 1e6 / self.since_plan
+                   if self.split_from_ns is not None and self.since_plan else None)
+        e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms, "plan_ms": plan_ms}
         cost, why = self._trial_cost_ms(), ""
         if self.validate and cost is not None and self.pause_ms is not None \
                 and cost < self.pause_ms:

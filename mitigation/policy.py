@@ -110,6 +110,7 @@ class SkiRentalPolicy(FaultGone):
         self.advised: dict[int, int] | None = None  # the last split advised (advise only)
         self.episode: _Episode | None = None
         self.since_plan = 0                       # job iterations since the split changed
+        self.split_from_ns: int | None = None      # when the first of them started
         self.applied_ns = 0
         self.planned_ns = 0
         self.unapplied_said = False
@@ -315,6 +316,8 @@ class SkiRentalPolicy(FaultGone):
         # One job iteration per iteration of the lowest rank.
         job_ms = self.job_ms()
         self.since_plan += 1
+        if self.since_plan == 1:
+            self.split_from_ns = ev["start_ns"]     # the split's first job iteration
         if job_ms is not None:
             self.job_history.append(job_ms)
         if e is None:

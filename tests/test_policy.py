@@ -482,3 +482,19 @@ def test_a_trial_reads_the_mean_of_a_bursty_fault_not_its_median():
     (back,) = plans(run(pol, job, 120))
     assert back.plan["microbatches"][2] < 8 and "the fault lasts" in back.reason
     assert pol.slow
+
+
+def test_a_trial_keeps_the_even_split_when_it_runs_faster_than_the_plan_did():
+    # Healthy was measured low (a busy moment's level): after the fault the
+    # even split is not within 15% of it, but it runs faster than the plan
+    # did since it was applied. The plan no longer pays: even stays.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    run(pol, job, 100)
+    pol.episode.healthy_ms = 5.0
+    assert pol.recheck_due(job.now + int(60e9)) == 2
+    pol.recheck_refused(job.now + int(60e9))
+    job.quota.clear()
+    (trial,) = pol.trial_due(job.now + int(61e9))
+    apply(pol, job, trial)
+    assert plans(run(pol, job, 120)) == [] and not pol.slow
