@@ -136,7 +136,11 @@ def _open(path: str) -> IO[str]:
         raise GreyhoundError(f"cannot read {path}: {e.strerror}") from None
 
 
-def _lines(path: str) -> Iterator[tuple[int, dict]]:
+def _lines(path: str, cut: list | None = None) -> Iterator[tuple[int, dict]]:
+    """Each line's object. A file that ends mid-line (its writer killed: a
+    gzip stream without its end, or a last line without its newline) ends at
+    its last whole line; with `cut`, the line number where it broke off is
+    appended there, and without it that is an error."""
     fh = _open(path)
     with fh:
         lineno = 0
@@ -147,11 +151,18 @@ def _lines(path: str) -> Iterator[tuple[int, dict]]:
                 try:
                     d = json.loads(line)
                 except json.JSONDecodeError:
+                    if not line.endswith("\n") and cut is not None:
+                        cut.append(lineno)          # the writer stopped mid-line
+                        return
                     raise GreyhoundError(f"{path}:{lineno}: not a JSON line") from None
                 if not isinstance(d, dict):
                     raise GreyhoundError(f"{path}:{lineno}: not a JSON object")
                 yield lineno, d
-        except (OSError, EOFError, UnicodeDecodeError) as e:
+        except EOFError as e:
+            if cut is None:
+                raise GreyhoundError(f"{path}:{lineno + 1}: unreadable ({e})") from None
+            cut.append(lineno + 1)
+        except (OSError, UnicodeDecodeError) as e:
             raise GreyhoundError(f"{path}:{lineno + 1}: unreadable ({e})") from None
 
 
@@ -161,6 +172,9 @@ class Recording:
     def __init__(self, path: str, catalog: Catalog):
         self.path, self.catalog = path, catalog
         self.lineno = 1                    # of the input last given (replay's errors)
+        # Where a recording whose writer was killed breaks off: its inputs up
+        # to there are replayed (replay says so), none of them lost.
+        self.cut: list[int] = []
         it = _lines(path)
         try:
             lineno, first = next(it)
@@ -191,7 +205,7 @@ class Recording:
         if self.legacy:
             yield from self._legacy()
             return
-        it = _lines(self.path)
+        it = _lines(self.path, self.cut)
         next(it)                           # the header
         for lineno, d in it:
             self.lineno = lineno
@@ -254,7 +268,7 @@ class Recording:
         known: set[int] = set()
         chunk: list[dict] = []
         seen = 0
-        for lineno, ev in _lines(self.path):
+        for lineno, ev in _lines(self.path, self.cut):
             if "kind" not in ev:
                 raise GreyhoundError(f"{self.path}:{lineno}: not a greyhound event")
             if ev.get("v") != 1:

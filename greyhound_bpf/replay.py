@@ -10,6 +10,7 @@ holds only the calls: its replay gives the engine's events.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 from . import GreyhoundError
@@ -38,4 +39,9 @@ def replay(path: str, catalog: Catalog | None = None, *, settle_until_ns: int | 
             # A hostile or hand-edited recording: name the line, never a traceback.
             raise GreyhoundError(f"{path}:{getattr(rec, 'lineno', '?')}: an input the analysis "
                                  f"cannot take ({type(e).__name__}: {e})") from None
+    if rec.cut:
+        # Its recorder was killed (SIGKILL, a crash): what it wrote whole is
+        # replayed; what it had not finished writing is gone.
+        print(f"greyhound-trace: warning: {path} breaks off at line {rec.cut[0]} (its "
+              "recorder stopped mid-write): replayed the inputs before it", file=sys.stderr)
     return events
