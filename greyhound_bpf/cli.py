@@ -506,8 +506,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # SIGTERM and a closed terminal (SIGHUP) end a command the way Ctrl-C
     # does, through its cleanup (validation workers, a paused job, an
-    # injection); attach and inject install their own handlers.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # injection); attach and inject install their own handlers. SIGINT too,
+    # explicitly: a command started in the background of a script (`... &`
+    # in a non-interactive shell) inherits SIGINT ignored, and Python then
+    # leaves it so: `kill -INT` on a controller did nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         return {"attach": cmd_attach, "replay": cmd_replay, "report": cmd_report,

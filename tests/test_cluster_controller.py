@@ -408,3 +408,27 @@ def test_redis_restarted_without_its_data_the_controller_and_agents_go_on(tmp_pa
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
+
+
+def test_a_controller_started_with_sigint_ignored_still_stops_on_it(bed, fresh, tmp_path):
+    """A non-interactive shell starts background jobs (`greyhound-trace
+    controller ... &` in a script) with SIGINT ignored, and Python keeps an
+    inherited SIG_IGN: such a controller ignored `kill -INT` (a CI run that
+    started the suite that way timed out waiting for the standby to stop).
+    Every command takes SIGINT as Ctrl-C, whatever it inherited."""
+    out = open(tmp_path / "ctl.out", "w+")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "greyhound_bpf.cli", "controller", "--cluster", bed.url,
+         "--job", JOB, "--cluster-secret", str(bed.secret_file("controller")), "--no-validate"],
+        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    fresh.append(p)
+
+    def said():
+        out.flush()
+        out.seek(0)
+        return out.read()
+    wait_for(lambda: "leading job" in said(), 30, "the controller to lead", why=said)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(15) == 0, said()
+    assert "stopped:" in said()
