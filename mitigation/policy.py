@@ -60,7 +60,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from greyhound_bpf.diagnosis.rules import device_healthy
+from greyhound_bpf.diagnosis.rules import device_healthy, device_slow
 from greyhound_bpf.events import is_speed_sample
 
 from .episode import RECHECK_AFTER_S
@@ -85,6 +85,11 @@ MIN_SLOWER = 0.10
 # A plan may be refined once, when it runs this much slower than predicted.
 REFINE_OFF = 0.15
 MAX_CHANGES = 2
+# Speeds and the job's iteration are means over the samples of this long (at
+# least 4 windows of iterations): twenty periods of a CFS quota (100 ms),
+# whose bursts a shorter span reads in part.
+SPEED_SPAN_S = 2.0
+SAMPLES_KEPT = 512            # per rank: 2 s of a 4 ms iteration
 
 
 class SkiRentalPolicy(FaultGone):
@@ -92,8 +97,9 @@ class SkiRentalPolicy(FaultGone):
                  window: int = 8, min_gain: float = 0.05,
                  restart_estimate_s: float = RESTART_ESTIMATE_S, allow_restart: bool = True,
                  min_lasted_s: float = MIN_LASTED_S, validate: bool = True,
-                 trial_min_s: float = TRIAL_MIN_S):
+                 trial_min_s: float = TRIAL_MIN_S, speed_span_s: float = SPEED_SPAN_S):
         self.window, self.min_gain = window, min_gain
+        self.speed_span_ns = int(speed_span_s * 1e9)
         self.min_lasted_ns = int(min_lasted_s * 1e9)
         self.trial_min_ns = int(trial_min_s * 1e9)
         self.pause_ms: float | None = None        # the last validation pause measured
@@ -130,11 +136,14 @@ class SkiRentalPolicy(FaultGone):
     def slow(self) -> bool:
         return self.episode is not None
 
+    def _recent(self, r: _Rank) -> int:
+        return r.recent(self.speed_span_ns, 4 * self.window)
+
     def recent_job_ms(self) -> float | None:
-        """Job iteration time over the current samples: the median over ranks
-        of each rank's median."""
-        meds = [statistics.median(r.dur_ms) for r in self.ranks.values() if r.dur_ms]
-        return statistics.median(meds) if meds else None
+        """Job iteration time over the recent samples: the median over ranks
+        of each rank's mean (a mean: _Rank.per_microbatch says why)."""
+        means = [r.mean_ms(self._recent(r)) for r in self.ranks.values() if r.dur_ms]
+        return statistics.median(means) if means else None
 
     def job_ms(self) -> float | None:
         lasts = [r.dur_ms[-1] for r in self.ranks.values() if r.dur_ms]
@@ -253,6 +262,12 @@ class SkiRentalPolicy(FaultGone):
                     # a busy moment; wait for another verdict.
                     e.named_slow.discard(e.straggler)
                     e.straggler, e.evidence = None, ""
+            elif self.straggler is not None and e.recheck_at_ns is not None and \
+                    device_slow(ev.get("details") or {}, e.straggler):
+                # Measured slow just now: the fault is there; the next
+                # recheck (or trial) is a full interval from this answer.
+                e.recheck_at_ns = max(e.recheck_at_ns, int(ev["time_ns"])
+                                      + int(e.recheck_every_s * 1e9))
         if cause != "computation" or len(ranks) != 1:
             return []
         s = self._dp(int(ranks[0]))
@@ -298,7 +313,7 @@ class SkiRentalPolicy(FaultGone):
             # is not a sample of the slow speed.
             return []
         rank = int(ev["rank"])
-        keep = 4 * self.window
+        keep = max(4 * self.window, SAMPLES_KEPT)
         r = self.ranks.get(rank)
         if r is None:
             r = self.ranks[rank] = _Rank(deque(maxlen=keep), deque(maxlen=keep),
@@ -380,7 +395,7 @@ class SkiRentalPolicy(FaultGone):
 
     def _speeds(self) -> dict[int, float] | None:
         """dp rank -> its compute per micro-batch."""
-        out = {self._dp(rank): r.per_microbatch() for rank, r in self.ranks.items()}
+        out = {self._dp(rank): r.per_microbatch(self._recent(r)) for rank, r in self.ranks.items()}
         out = {k: max(v, 1e-6) for k, v in out.items() if v is not None}
         split = self._current_split()
         return None if split is None or set(out) != set(split) else out
@@ -436,6 +451,7 @@ class SkiRentalPolicy(FaultGone):
             return []                        # the loss grows each iteration: look again
         if e.changes and not new_straggler and (
                 self.since_plan < 2 * self.window or self.recent_job_ms() is None
+                or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
                 or self.recent_job_ms() <= e.plan_ms * (1 + REFINE_OFF)):
             return []                        # the plan runs as predicted: hold it
         t = self._speeds()

@@ -145,6 +145,13 @@ def device_healthy(details: dict, rank: int) -> bool:
     return rank in gemm and len(gemm) >= 2 and rank not in outliers(gemm)[2]
 
 
+def device_slow(details: dict, rank: int) -> bool:
+    """Did a validation measure `rank`'s device slow (an outlier among the
+    devices it measured)?"""
+    gemm = {int(r): d["ms_per_gemm"] for r, d in (details.get("devices") or {}).items()}
+    return rank in gemm and len(gemm) >= 2 and rank in outliers(gemm)[2]
+
+
 def _rank_links(rtt: dict):
     """A rank's link bounds each of its edges: its fastest edge is its link.
     -> (reference, {rank: ratio} of the slow rank links)."""
