@@ -469,7 +469,7 @@ class AttachSession:
                                      self.now_ns, self.opts.pause_max_s,
                                      idle_group=self.background and self.background.group)
         self.validator.request(ev["id"], members, [tuple(e) for e in ev["edges"]],
-                               ev.get("devices"), ev.get("cross"))
+                               ev.get("devices"), ev.get("cross"), ev.get("suspects"))
         n = len(ev.get("devices") or members)
         what = ev.get("what") or f"{n} device(s) and {len(ev['edges'])} link(s)"
         self.say(f"validating {what} ({ev['reason']})")

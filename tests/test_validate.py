@@ -240,6 +240,33 @@ def test_a_device_slow_only_for_a_moment_is_not_named(ddp_job):
 
 @pytest.mark.bpf
 @pytest.mark.slow
+def test_a_device_the_passive_verdict_named_needs_no_second_pause(ddp_job):
+    """Rank 2 at 0.3 CPU, named by the passive verdict that asked: measured
+    slow twice in the pause (x2 or more), two kinds of evidence agree and
+    the job is not paused again 3 s later; the same measurement with no
+    suspect named waits and confirms (the test above)."""
+    from greyhound_bpf.diagnosis import validator as validate
+    job = ddp_job(4, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
+    members = validate.members_for_job([job.proc.pid])
+    pid2 = next(m.pid for m in members if m.rank == 2)
+    said = []
+    v = validate.Validator(members, progress=said.append, confirm_skip_ratio=float("inf"))
+    try:
+        v.start()
+        with CpuQuota(pid2, 0.3):
+            res = v.measure(suspects=[2])
+    finally:
+        v.close()
+    fields = decide(res)
+    assert not any(m.startswith("confirming") for m in said), said
+    assert res.pauses == 1 and res.devices[2]["passes"] >= 2, (said, res)
+    assert (fields["cause"], fields["ranks"]) == ("computation", [2]), fields
+    assert workers_left() == []
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
 def test_rate_limited_link_is_named(tmp_path):
     truth = tmp_path / "truth.jsonl"
     out = tmp_path / "v.jsonl"

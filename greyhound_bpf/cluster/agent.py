@@ -347,7 +347,8 @@ class Agent:
         self.say(f"the controller asks this node to validate {len(devices)} device(s) and "
                  f"{len(edges)} link(s) (request {d['id']})")
         self.requests.put({"id": int(d["id"]), "ranks": sorted(mine), "devices": devices,
-                           "edges": edges, "reason": d.get("reason", "the controller asks")})
+                           "edges": edges, "reason": d.get("reason", "the controller asks"),
+                           "suspects": [r for r in d.get("suspects") or [] if r in mine]})
 
     def _links(self, d: dict) -> None:
         """This node's side of the links between nodes (`group`: every rank

@@ -359,7 +359,7 @@ class Controller:
             "across": sorted({(min(a, b), max(a, b)) for a, b in edges if node(a) != node(b)}),
             "until": time.monotonic() + VALIDATE_WAIT_S}
         self._command("validate", ev["time_ns"], {k: ev.get(k) for k in (
-            "id", "devices", "edges", "reason")})
+            "id", "devices", "edges", "reason", "suspects")})
 
     def _present(self, nodes) -> set:
         return {n for n in nodes if n and not self.nodes.get(n, NodeState("", 0)).lost}

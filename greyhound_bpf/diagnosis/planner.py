@@ -14,7 +14,19 @@ answers with requests (`validation` events) that the validator serves.
   such verdicts), a fault lasts (a slow link, which looks like every rank
   waiting longer, included).
 - A slowdown whose fault validation has already named is not validated
-  again on a further verdict of it that names nothing.
+  again on a further verdict of it that names nothing, and a verdict that
+  names what the last validation named (the same cause, ranks and link)
+  within `window_s` is not validated again (`phase: skipped`): under a plan
+  the detector sees the job slow down and recover as the split changes,
+  and each new look at the same fault would pause the job again for an
+  answer already had (bench_mitigation: a second validation of rank 1 12 s
+  after the first, 2.6 s more of pauses in a 40 s fault). A validation that
+  names anything else, or nothing, forgets it. While it is known, a verdict
+  naming something else is validated only if its slowdown lasts PERSIST_S,
+  as one naming nothing: the same fault can look otherwise to the passive
+  rules (a rank under a CPU quota stalls inside its collectives too, and
+  every rank then waits longer: "communication"; bench_mitigation
+  validated that 14 s after the first validation, 2.7 s more of pauses).
 - After a validation that names nothing, the next one waits BACKOFF_S,
   doubling up to BACKOFF_MAX_S; a verdict that names a rank is validated at
   once (the budget still applies), and one that names something resets it.
@@ -45,6 +57,10 @@ DISAGREE_RATIO = 1.25
 EXPECTED_PAUSE_S = 3.0
 # A recheck's: two devices' GEMMs, no links.
 RECHECK_PAUSE_S = 1.0
+
+
+def _what(v: Diagnosis) -> tuple:
+    return v.cause, tuple(sorted(v.ranks)), v.link
 
 
 @dataclass
@@ -78,6 +94,7 @@ class ValidationPlanner:
     slow_since_ns: int | None = None             # onset of the job slowdown in progress
     slow_ratio: float = 1.0                      # its size (after / before)
     named_at_ns: int | None = None               # when validation last named a cause
+    known: tuple | None = None                   # what it named: (cause, ranks, link)
     _next_id: int = 1
     _last_pause_s: float = EXPECTED_PAUSE_S      # all the pauses of the last validation
     _pausing_s: float = 0.0                      # the one in flight's, so far
@@ -127,14 +144,22 @@ class ValidationPlanner:
         if self.slow_since_ns is None and not v.named:
             self.pending = None
             return []
+        if v.named and self.known == _what(v) and self._known_within(now_ns):
+            self.pending = None
+            return [{"phase": "skipped", "index": v.index,
+                     "reason": f"validation named this {(now_ns - self.named_at_ns) / 1e9:.0f} s "
+                               "ago: not measured again"}]
         why = None
+        lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
+                  else 0.0)
         if not v.named:
-            lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
-                      else 0.0)
             if lasted < PERSIST_S:
                 why = ("nothing named" + (" (every rank slowed alike: the host or the whole "
                                           "job)" if v.details.get("uniform") else "")
                        + f": validated if it lasts {PERSIST_S:.0f} s")
+        elif self._known_within(now_ns) and lasted < PERSIST_S:
+            why = (f"validation named {self._known_words()} {(now_ns - self.named_at_ns) / 1e9:.0f}"
+                   f" s ago, which can look like this: validated if it lasts {PERSIST_S:.0f} s")
         if why is None and v.straggler is None and now_ns < self.not_before_ns:
             why = (f"the last validation named nothing: backing off "
                    f"{self.backoff_s:.0f} s")
@@ -157,8 +182,11 @@ class ValidationPlanner:
         self.in_flight = req
         self._pausing_s = 0.0
         self.validations += 1
+        # The devices the verdict named slow: measured slow in the pause,
+        # they need no second one (validator.CONFIRM_SKIP_NAMED_RATIO).
+        suspects = sorted(v.ranks) if v.cause == "computation" else []
         return [{"phase": "request", "id": req.id, "index": req.index, "reason": req.reason,
-                 "purpose": req.purpose}]
+                 "purpose": req.purpose, "suspects": suspects}]
 
     def recheck(self, rank: int, now_ns: int) -> list[dict]:
         """Is a named fault still there? (the policy asks, for the rank whose
@@ -185,6 +213,7 @@ class ValidationPlanner:
         recorded answers, whose ids may not be the requests it made.)"""
         self.in_flight = None
         self._last_pause_s = max(self._pausing_s, 0.5)
+        self.known = _what(verdict) if verdict.named else None
         if verdict.named:
             self.backoff_s, self.not_before_ns = 0.0, 0
             self.named_at_ns = now_ns
@@ -193,6 +222,15 @@ class ValidationPlanner:
             self.not_before_ns = now_ns + int(self.backoff_s * 1e9)
 
     # -- state ----------------------------------------------------------------------
+
+    def _known_within(self, now_ns: int) -> bool:
+        """Validation named a cause within the budget's window."""
+        return (self.known is not None and self.named_at_ns is not None
+                and now_ns - self.named_at_ns < self.window_s * 1e9)
+
+    def _known_words(self) -> str:
+        cause, ranks, link = self.known
+        return f"{cause} ({link or ', '.join(f'rank {r}' for r in ranks)})"
 
     def paused_in_window(self, now_ns: int) -> float:
         lo = now_ns - int(self.window_s * 1e9)

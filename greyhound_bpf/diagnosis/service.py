@@ -43,12 +43,14 @@ class Service:
         self.thread.start()
 
     def request(self, request_id: int, members: list[Member], edges: list[tuple[int, int]],
-                devices: list[int] | None = None, cross: dict | None = None) -> None:
+                devices: list[int] | None = None, cross: dict | None = None,
+                suspects: list[int] | None = None) -> None:
         """Measure these ranks' devices (all, or `devices`) and these edges
         (workers started first, if need be), or this node's side of the
         links between nodes (`cross`: crosslinks.CrossLinks' group, edges
-        and rendezvous); the result is posted."""
-        self.tasks.put(("measure", (request_id, members, edges, devices, cross)))
+        and rendezvous); the result is posted. `suspects`: the ranks the
+        verdict asking for it named slow."""
+        self.tasks.put(("measure", (request_id, members, edges, devices, cross, suspects)))
 
     def close(self) -> None:
         self.closing = True
@@ -75,7 +77,8 @@ class Service:
                 self.post("result", (request_id, res))
 
     def _measure(self, request_id: int, members: list[Member], edges: list[tuple[int, int]],
-                 devices: list[int] | None = None, cross: dict | None = None) -> Result:
+                 devices: list[int] | None = None, cross: dict | None = None,
+                 suspects: list[int] | None = None) -> Result:
         if cross is not None:
             from .crosslinks import CrossLinks
             gpu = any(m.device.startswith("cuda") for m in members)
@@ -107,7 +110,7 @@ class Service:
             self.post("progress", f"{len(pool.ready)} validation workers ready")
         else:
             untested = []
-        res = pool.measure(edges, devices)
+        res = pool.measure(edges, devices, suspects)
         res.untested = untested + res.untested
         if any(m.device.startswith("cuda") for m in members):
             self._drop_pool()

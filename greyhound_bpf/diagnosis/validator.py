@@ -55,6 +55,11 @@ CONFIRM_AFTER_S = 3.0
 # ...unless it measured this slow twice in the first pause: a busy moment
 # of a healthy host read at most x1.7; a CPU quota at half reads x5-6.
 CONFIRM_SKIP_RATIO = 3.0
+# ...or this slow twice where the passive verdict that asked for the
+# validation named it: two kinds of evidence, seconds apart, agree (a rank
+# at half the CPU it used reads x2.4-2.5; the second pause cost a 40 s fault
+# 0.8 s of the job's time and 3 s of waiting, bench_mitigation).
+CONFIRM_SKIP_NAMED_RATIO = 2.0
 START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
 # Workers start in the idle CPU group, on CPU the job leaves unused; on a
 # saturated machine that may be none, so after this long the group is made
@@ -138,9 +143,11 @@ class Validator:
             w.proc.poll() is None for w in self.workers.values())
 
     def measure(self, edges: list[tuple[int, int]] | None = None,
-                devices: list[int] | None = None) -> Result:
+                devices: list[int] | None = None,
+                suspects: list[int] | None = None) -> Result:
         """Pause the job, GEMM per device, p2p per edge, resume. Workers
-        stay up for the next call unless a step failed (then `broken`)."""
+        stay up for the next call unless a step failed (then `broken`).
+        `suspects`: ranks the passive verdict named slow."""
         res = Result(measured_at_ns=self.report.clock() if self.report else time.time_ns())
         t0 = time.monotonic()
         if edges is not None:
@@ -175,7 +182,7 @@ class Validator:
                     else:
                         res.untested.append("links: not every worker started")
                 res.paused_s, res.pauses = pause.seconds, 1
-                self._confirm(ready, pids, res)
+                self._confirm(ready, pids, res, set(suspects or ()))
         finally:
             lock.__exit__()
             for w in self.workers.values():
@@ -329,15 +336,17 @@ class Validator:
             res.links[e]["passes"] = passes
         return True
 
-    def _confirm(self, ready: list[int], pids: list[int], res: Result) -> None:
+    def _confirm(self, ready: list[int], pids: list[int], res: Result,
+                 named: set = frozenset()) -> None:
         """Suspects left after the first pause, measured once more after the
         job has run CONFIRM_AFTER_S (in a second, short pause)."""
         got = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
         slow = outliers(got)[2] if len(got) >= 2 else {}
         # Measured twice in this pause next to the fastest device, and far
-        # beyond what a busy moment does: no need to wait and see.
-        sure = {r for r, x in slow.items()
-                if x >= self.confirm_skip_ratio and res.devices[r].get("passes", 1) >= 2}
+        # beyond what a busy moment does, or beyond it where the passive
+        # verdict named it: no need to wait and see.
+        sure = {r for r, x in slow.items() if res.devices[r].get("passes", 1) >= 2 and (
+            x >= self.confirm_skip_ratio or (r in named and x >= CONFIRM_SKIP_NAMED_RATIO))}
         devices = [r for r in self._slow_devices(res) if r not in sure]
         links = sorted(link_suspects({e: d["rtt_ms"] for e, d in res.links.items()}))
         if (not devices and not links) or self.cancelled or self.broken:
