@@ -4,30 +4,34 @@ capacity is lost, not picked up by a neighbour.
 A real 2-rank PyTorch DDP job (scripts/demo_train.py, 16 micro-batches per
 iteration), each rank pinned to a core of its own, so that a CPU quota on
 rank 1 takes capacity the job cannot get back elsewhere (a slow GPU's
-case). The same job and fault run twice per round, interleaved:
-advise-only (`attach --control-file`) and `attach --mitigate`. After a
-healthy phase rank 1 gets half a core (a CFS quota) for FAULT_S seconds,
-then the quota is lifted.
+case). The same job and fault run four times per round, interleaved:
+*nothing* (no Greyhound: what the fault costs left alone), advise-only
+(`attach --control-file`), `attach --mitigate`, and a *sweep* (below).
+After a healthy phase rank 1 gets half the CPU it was using (a CFS quota)
+for FAULT_S seconds, then the quota is lifted.
 
 From the trainer's own log (rank 0's iteration starts), over the whole
 faulted window, detection and planning included:
 - lost iterations: what the healthy speed would have done minus what the
   advise-only run did;
-- recovered: the mitigated run's iterations minus the advise-only run's,
-  as a share of the loss and of the *achievable*: the best split measured,
-  applied from the fault's first moment, minus the advise-only run. A third
-  run per round, without Greyhound, *sweeps* the splits under the same
-  fault (the bench writes each plan to the job's control file and holds it
-  for a few seconds): its fastest split's iteration rate is the ideal. The
-  best split of the per-micro-batch speeds (a linear model, what the
-  policy solves) is printed beside it;
+- recovered: the mitigated run's iterations minus those of doing nothing
+  (and, beside it, of the advise-only run), as a share of the loss and of
+  the *achievable*: the best split measured, applied from the fault's
+  first moment, minus doing nothing. The sweep, without Greyhound, holds
+  every split under the same fault (the bench writes each to the job's
+  control file), twice: from the even split down and back up, each split's
+  iteration time the mean of both passes (one pass's fastest split is the
+  least of seven noisy figures, an ideal biased low, and a pass's order
+  puts each split at its own moment of the fault); its fastest split is
+  the ideal. The best split of the per-micro-batch speeds (a linear model)
+  is printed beside it;
 - each plan's achieved iteration time against its prediction;
 - plan changes while the fault lasted (goal <= 2, the return to even not
   counted; trial returns to even and their reverts, made when the pause
   budget refused a recheck, counted apart), whether work ever moved onto
   the slow rank, and whether the even split came back after the lift.
 
-    sudo scripts/bench_mitigation              # 3 rounds (3 runs each, ~4 min a round)
+    sudo scripts/bench_mitigation              # 3 rounds (4 runs each, ~5 min a round)
     sudo scripts/bench_mitigation --rounds 5 --fault 40
 """
 from __future__ import annotations
@@ -73,6 +77,15 @@ def median_period(starts: list[int], lo: int, hi: int) -> float:
     return statistics.median(d) if d else float("nan")
 
 
+def mean_period(starts: list[int], lo: int, hi: int, away=()) -> float:
+    """The mean iteration over [lo, hi), leaving out the spans `away`
+    (pauses: the job did not run). A mean, as the runs are counted: under a
+    CFS quota iterations are fast or stalled, and a median reads the fast."""
+    span = hi - lo - sum(max(0, min(b, hi) - max(a, lo)) for a, b in away)
+    n = count_in(starts, lo, hi)
+    return span / 1e6 / n if n and span > 0 else float("nan")
+
+
 def start_job(work: Path, ctl: Path):
     job = DDPJob(work, 2, *TRAIN, "--control-file", str(ctl), name="job")
     try:
@@ -92,24 +105,26 @@ def start_job(work: Path, ctl: Path):
 
 def sweep_run(work: Path, args) -> dict:
     """The same job and fault without Greyhound: every split of the slow
-    rank's micro-batches from the even one down (SWEEP), each written to the
-    control file and held an equal part of the fault; the iteration time
-    of each (rank 0's starts, counted: a mean, as the runs are counted)."""
+    rank's micro-batches from the even one down and back up (SWEEP, then
+    reversed), each written to the control file and held an equal part of
+    the fault; the iteration time of each (rank 0's starts, counted: a
+    mean, as the runs are counted), the mean of its two holds."""
     ctl = work / "ctl.json"
     job, ranks = start_job(work, ctl)
     writer, held, quota = ControlWriter(ctl), [], None
+    order = SWEEP + SWEEP[::-1]
     try:
         share = cpu_share(ranks[SLOW_RANK], args.healthy)
         quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
         end = time.time_ns() + int(args.fault * 1e9)
-        hold = args.fault / len(SWEEP)
-        for n in SWEEP:
+        hold = args.fault / len(order)
+        for n in order:
             plan = writer.issue("rebalance_microbatches",
                                 microbatches={1 - SLOW_RANK: TOTAL_MB - n, SLOW_RANK: n},
                                 reason="bench sweep")
             wait_for(lambda: all(d["seq"] >= plan.seq for d in writer.ack_docs().values())
                      and len(writer.ack_docs()) == 2, 30, f"split {n} applied")
-            lo = time.time_ns() + int(0.5e9)
+            lo = time.time_ns() + int(0.3e9)
             time.sleep(max(0.0, min(hold, (end - time.time_ns()) / 1e9)))
             held.append((n, lo, time.time_ns()))
         quota.undo()
@@ -120,22 +135,28 @@ def sweep_run(work: Path, args) -> dict:
             quota.undo()
         job.close()
     starts = starts_of(truth)
-    ms = {n: (hi - lo) / 1e6 / max(1, count_in(starts, lo, hi)) for n, lo, hi in held}
+    spans: dict[int, list] = {}
+    for n, lo, hi in held:
+        spans.setdefault(n, []).append((hi - lo, count_in(starts, lo, hi)))
+    ms = {n: sum(d for d, _ in v) / 1e6 / max(1, sum(c for _, c in v)) for n, v in spans.items()}
     best = min(ms, key=ms.get)
     return {"split_ms": ms, "best": best, "best_ms": ms[best], "even_ms": ms[TOTAL_MB // 2]}
 
 
-def one_run(work: Path, mitigate: bool, args) -> dict:
+def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
+    """A run with Greyhound attached (advise-only, or --mitigate), or
+    without it (`attach=False`: doing nothing)."""
     ctl, events = work / "ctl.json", work / "events.jsonl"
     tracer = quota = None
     job, ranks = start_job(work, ctl)
+    tail = JsonlTail(events)
     try:
-        cmd = [*GREYHOUND, "attach", str(job.pid), "--control-file", str(ctl), "-o",
-               str(events), "-q"] + (["--mitigate"] if mitigate else [])
-        tracer = subprocess.Popen(cmd, stdout=open(work / "tracer.out", "w"),
-                                  stderr=subprocess.STDOUT, cwd=ROOT)
-        tail = JsonlTail(events)
-        wait_for(lambda: tail.kind("attach"), 60, "the attach")
+        if attach:
+            cmd = [*GREYHOUND, "attach", str(job.pid), "--control-file", str(ctl), "-o",
+                   str(events), "-q"] + (["--mitigate"] if mitigate else [])
+            tracer = subprocess.Popen(cmd, stdout=open(work / "tracer.out", "w"),
+                                      stderr=subprocess.STDOUT, cwd=ROOT)
+            wait_for(lambda: tail.kind("attach"), 60, "the attach")
         share = cpu_share(ranks[SLOW_RANK], args.healthy)
         fault_ns = time.time_ns()
         quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
@@ -158,9 +179,10 @@ def one_run(work: Path, mitigate: bool, args) -> dict:
             except Timeout:
                 pass
         time.sleep(3)
-        tracer.send_signal(signal.SIGINT)
-        tracer.wait(60)
-        tracer = None
+        if tracer is not None:
+            tracer.send_signal(signal.SIGINT)
+            tracer.wait(60)
+            tracer = None
         truth = job.truth_records()
     finally:
         if quota is not None:
@@ -168,7 +190,7 @@ def one_run(work: Path, mitigate: bool, args) -> dict:
         if tracer is not None and tracer.poll() is None:
             tracer.kill()
         job.close()
-    evs = tail.read()
+    evs = tail.read() if attach else []
     starts = starts_of(truth)
     # Per-micro-batch speeds while slow (the tool's compute time per rank).
     its = [e for e in evs if e["kind"] == "iteration" and not e.get("disturbed")
@@ -185,13 +207,19 @@ def one_run(work: Path, mitigate: bool, args) -> dict:
     # changes, but the job runs them.
     trials = sum(e.get("reason", "").startswith("trial") for e in in_fault)
     applied = {e["seq"]: e for e in evs if e["kind"] == "applied"}
+    opened = {e["id"]: e["start_ns"] for e in evs if e["kind"] == "activity"
+              and e.get("what") == "pause"}
+    paused = sorted((opened[e["id"]], e["end_ns"]) for e in evs if e["kind"] == "activity"
+                    and e.get("what") == "pause" and e.get("end_ns") and e["id"] in opened)
     vs = []
     for e, nxt in zip(in_fault, in_fault[1:] + [None]):
         a = applied.get(e.get("seq"))
-        if a is None:
+        if a is None or e.get("reason", "").startswith("trial"):
             continue
         hi = applied[nxt["seq"]]["time_ns"] if nxt and nxt.get("seq") in applied else lift_ns
-        got = median_period(starts, a["time_ns"] + int(1e9), hi)
+        if hi - a["time_ns"] < 3e9:
+            continue                      # held too briefly to read
+        got = mean_period(starts, a["time_ns"] + int(1e9), hi, paused)
         if got == got and e.get("expected_ms"):
             vs.append(got / e["expected_ms"] - 1)
     onto_slow = any(int(e["plan"]["microbatches"][str(SLOW_RANK)]) > TOTAL_MB // 2
@@ -202,6 +230,7 @@ def one_run(work: Path, mitigate: bool, args) -> dict:
             "slow_ms": median_period(starts, fault_ns + int(2e9), lift_ns),
             "iterations": count_in(starts, fault_ns, lift_ns), "fault_s": (lift_ns - fault_ns) / 1e9,
             "speeds": speeds, "plans": len(in_fault) - trials, "trials": trials,
+            "paused_s": sum(max(0, min(b, lift_ns) - max(a, fault_ns)) for a, b in paused) / 1e9,
             "onto_slow": onto_slow,
             "vs_expected": statistics.median(vs) if vs else None,
             "applied_s": (first_applied - fault_ns) / 1e9 if first_applied else None,
@@ -235,40 +264,47 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     rounds = []
+    kinds = ("nothing", "advise", "mitigate", "sweep")
     for i in range(args.rounds):
         rnd = {}
-        order = ("advise", "mitigate", "sweep") if i % 2 == 0 else ("sweep", "mitigate", "advise")
-        for kind in order:
+        for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
             try:
                 rnd[kind] = (sweep_run(work, args) if kind == "sweep"
-                             else one_run(work, kind == "mitigate", args))
+                             else one_run(work, kind == "mitigate", args,
+                                          attach=kind != "nothing"))
             finally:
                 if args.keep:
-                    print(f"kept {work}", file=sys.stderr)
+                    print(f"kept {work} ({kind})", file=sys.stderr)
                 else:
                     shutil.rmtree(work, ignore_errors=True)
-        adv, mit, sw = rnd["advise"], rnd["mitigate"], rnd["sweep"]
-        healthy_n = adv["fault_s"] * 1e3 / adv["healthy_ms"]
-        best_n = adv["fault_s"] * 1e3 / sw["best_ms"]
-        model_n = modelled(adv)
-        lost = healthy_n - adv["iterations"]
-        rec = mit["iterations"] - adv["iterations"]
-        rnd.update(lost=lost, recovered=rec, achievable=best_n - adv["iterations"],
-                   of_loss=rec / lost if lost > 0 else float("nan"),
-                   of_achievable=rec / (best_n - adv["iterations"])
-                   if best_n > adv["iterations"] else float("nan"))
+        nothing, adv, mit, sw = rnd["nothing"], rnd["advise"], rnd["mitigate"], rnd["sweep"]
+        fault_s = nothing["fault_s"]
+        healthy_n = fault_s * 1e3 / nothing["healthy_ms"]
+        best_n = fault_s * 1e3 / sw["best_ms"]
+        lost = healthy_n - nothing["iterations"]
+        achievable = best_n - nothing["iterations"]
+        rec = mit["iterations"] - nothing["iterations"]
+        rec_adv = mit["iterations"] - adv["iterations"]
+        nan = float("nan")
+        rnd.update(lost=lost, recovered=rec, achievable=achievable,
+                   of_loss=rec / lost if lost > 0 else nan,
+                   of_achievable=rec / achievable if achievable > 0 else nan,
+                   adv_of_achievable=rec_adv / (best_n - adv["iterations"])
+                   if best_n > adv["iterations"] else nan)
         rounds.append(rnd)
-        print(f"round {i + 1}/{args.rounds}: healthy {adv['healthy_ms']:.1f} ms, slow "
-              f"{adv['slow_ms']:.1f} ms; in {adv['fault_s']:.0f} s of fault: advise "
-              f"{adv['iterations']} iterations, mitigate {mit['iterations']}, healthy would be "
+        print(f"round {i + 1}/{args.rounds}: healthy {nothing['healthy_ms']:.1f} ms; in "
+              f"{fault_s:.0f} s of fault: nothing {nothing['iterations']} iterations, advise "
+              f"{adv['iterations']}, mitigate {mit['iterations']}, healthy would be "
               f"{healthy_n:.0f}, best split measured {best_n:.0f} ({TOTAL_MB - sw['best']}:"
               f"{sw['best']}; the sweep: "
               + ", ".join(f"{TOTAL_MB - n}:{n} {x:.1f} ms" for n, x in sw["split_ms"].items())
-              + f"), modelled {model_n:.0f}: recovered {rnd['of_loss']:.0%} of the "
-              f"loss, {rnd['of_achievable']:.0%} of the achievable; plan applied "
-              f"{mit['applied_s'] or float('nan'):.1f} s after the fault, {mit['plans']} "
-              f"plan(s) and {mit['trials']} trial step(s), vs prediction "
+              + f"), modelled {modelled(adv):.0f}: recovered {rnd['of_loss']:.0%} of the "
+              f"loss, {rnd['of_achievable']:.0%} of the achievable ({rnd['adv_of_achievable']:.0%}"
+              f" against advise-only); plan applied "
+              f"{mit['applied_s'] or nan:.1f} s after the fault, {mit['plans']} "
+              f"plan(s) and {mit['trials']} trial step(s), paused {mit['paused_s']:.1f} s, "
+              f"vs prediction "
               f"{'-' if mit['vs_expected'] is None else format(mit['vs_expected'], '+.1%')}, "
               f"onto the slow rank: {'YES' if mit['onto_slow'] else 'no'}, even again "
               f"{'never' if mit['even_again_s'] is None else format(mit['even_again_s'], '.1f') + ' s'}"
@@ -276,14 +312,17 @@ def main(argv=None) -> int:
     med = lambda f: statistics.median(f(r) for r in rounds)  # noqa: E731
     vs = [r["mitigate"]["vs_expected"] for r in rounds if r["mitigate"]["vs_expected"] is not None]
     print(f"\nmedian of {len(rounds)} rounds (2 ranks pinned one per core, rank {SLOW_RANK} at "
-          "half a core):")
+          "half the CPU it used):")
     print(f"  recovered {med(lambda r: r['of_loss']):.0%} of the lost iterations, "
           f"{med(lambda r: r['of_achievable']):.2f} of the achievable (the best split "
-          "measured; goal >= 0.8)")
+          "measured, against doing nothing; goal >= 0.8); "
+          f"{med(lambda r: r['adv_of_achievable']):.2f} against advise-only")
     print(f"  the best split measured runs {med(lambda r: r['sweep']['best_ms']):.1f} ms per "
           f"iteration, the even one under the fault {med(lambda r: r['sweep']['even_ms']):.1f}")
     print(f"  plan vs prediction {statistics.median(vs) if vs else float('nan'):+.1%} "
           "(goal within 10%)")
+    print(f"  validation paused the mitigated job {med(lambda r: r['mitigate']['paused_s']):.1f}"
+          " s of the fault")
     most = max(r['mitigate']['plans'] for r in rounds)
     trials = sum(r['mitigate']['trials'] for r in rounds)
     print(f"  plan changes while the fault lasted: max {most} (goal <= 2), and {trials} trial "
