@@ -15,8 +15,9 @@ attach, a fault the job-level detector missed). Within it:
    is planned: rebalancing cannot help a communication slowdown, and on an
    unknown one it would be a guess.
 2. **How fast.** Each rank's compute per micro-batch (compute time over the
-   micro-batches it ran), median over the episode's samples taken under the
-   split in force. The straggler must measure slower than the others'
+   micro-batches it ran), a mean over the last SPEED_SPAN_S of the episode's
+   samples taken under the split in force (a CFS quota's bursts: the median
+   reads the fast iterations). The straggler must measure slower than the others'
    median by MIN_SLOWER; where host-side compute cannot show it (GPUs: NCCL
    is asynchronous) but validation measured its device slow, its speed is
    the others' times its measured GEMM ratio.
