@@ -141,14 +141,17 @@ class ValidationPlanner:
         if p is None or self.in_flight is not None:
             return []
         v = p.verdict
-        if self.slow_since_ns is None and not v.named:
-            self.pending = None
-            return []
         if v.named and self.known == _what(v) and self._known_within(now_ns):
             self.pending = None
             return [{"phase": "skipped", "index": v.index,
                      "reason": f"validation named this {(now_ns - self.named_at_ns) / 1e9:.0f} s "
                                "ago: not measured again"}]
+        # Naming something else while a cause is known: perhaps that fault
+        # seen otherwise, so held as a verdict naming nothing is.
+        other = v.named and self._known_within(now_ns)
+        if self.slow_since_ns is None and (not v.named or other):
+            self.pending = None
+            return []
         why = None
         lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
                   else 0.0)
@@ -157,7 +160,9 @@ class ValidationPlanner:
                 why = ("nothing named" + (" (every rank slowed alike: the host or the whole "
                                           "job)" if v.details.get("uniform") else "")
                        + f": validated if it lasts {PERSIST_S:.0f} s")
-        elif self._known_within(now_ns) and lasted < PERSIST_S:
+        elif other and (now_ns - max(p.since_ns, self.slow_since_ns)) / 1e9 < PERSIST_S:
+            # From this verdict: the known fault's own slowdown may never
+            # have recovered in the detector's eyes.
             why = (f"validation named {self._known_words()} {(now_ns - self.named_at_ns) / 1e9:.0f}"
                    f" s ago, which can look like this: validated if it lasts {PERSIST_S:.0f} s")
         if why is None and v.straggler is None and now_ns < self.not_before_ns:
