@@ -528,7 +528,7 @@ class SkiRentalPolicy(FaultGone):
         d = restart_decision(self.announced, self.ranks, self._speeds(), self._current_split(),
                              self.recent_job_ms() or self.job_ms(), e.healthy_ms, e.loss_ms,
                              self.restart_cost(),
-                             self.min_gain)
+                             self.min_gain, recent=4 * self.window)
         if d is not None:
             e.restart_considered = True
             d.numbers = {**self._numbers(), **d.numbers}

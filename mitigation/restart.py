@@ -30,9 +30,13 @@ class Decision:
 
 def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: dict | None,
                      job_ms: float | None, healthy_ms: float, loss_ms: float,
-                     cost: tuple[float, str], min_gain: float) -> Decision | None:
-    """`ranks`: rank -> samples with `.dur_ms` and `.compute_ms`; `speeds`: dp rank ->
-    compute per micro-batch; `cost`: (seconds, "observed" or "estimated")."""
+                     cost: tuple[float, str], min_gain: float,
+                     recent: int = 32) -> Decision | None:
+    """`ranks`: rank -> samples with `.dur_ms` and `.compute_ms` (a stage's
+    time: the median of its newest `recent`); `speeds`: dp rank -> compute
+    per micro-batch; `cost`: (seconds, "observed" or "estimated")."""
+    def newest(q):
+        return list(q)[-recent:]
     if not any(d.get("checkpoint") for d in announced.values()) or job_ms is None:
         return None
     cost_s, how = cost
@@ -43,7 +47,7 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
         # Pipeline: a stage is as slow as its slowest replica.
         stage_ms = []
         for st in range(len(layer_split)):
-            ms = [statistics.median(r.compute_ms) for rank, r in ranks.items()
+            ms = [statistics.median(newest(r.compute_ms)) for rank, r in ranks.items()
                   if r.compute_ms and announced.get(rank, {}).get("stage") == st]
             if not ms:
                 return None
@@ -52,7 +56,7 @@ def restart_decision(announced: dict, ranks: dict, speeds: dict | None, split: d
         mbs = next((d.get("pp_microbatches") for d in announced.values()
                     if d.get("pp_microbatches")), None)
         # The iteration over the same samples as the stages' compute.
-        job_ms = statistics.median(statistics.median(r.dur_ms) for r in ranks.values()
+        job_ms = statistics.median(statistics.median(newest(r.dur_ms)) for r in ranks.values()
                                    if r.dur_ms)
         best_now = gpipe_ms(stage_ms, mbs)
         saved = job_ms - predict_split(stage_ms, layer_split, rs.split, job_ms, mbs)
