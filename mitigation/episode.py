@@ -72,6 +72,7 @@ class Episode:
     recheck_at_ns: int | None = None
     recheck_every_s: float = RECHECK_AFTER_S
     even_ms: float | None = None         # the job's time at the even split, slow
+    at_even: dict | None = None          # dp rank -> (micro-batches, mean compute) there
     trial: dict | None = None            # a trial return to even in progress
     trial_due_ns: int | None = None      # a recheck was refused: a trial instead
     restart_considered: bool = False

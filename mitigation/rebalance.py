@@ -1,8 +1,9 @@
 """S2: rebalance micro-batches across data-parallel ranks.
 
 Choose integer counts n_i >= 1 with sum n_i = M (the global batch is kept)
-that minimise the iteration time, the makespan max_i n_i * t_i, where t_i
-is rank i's measured time per micro-batch; optional per-rank caps
+that minimise the iteration time, the makespan max_i f_i + n_i * t_i, where
+t_i is rank i's measured time per micro-batch and f_i its fixed time per
+iteration (0 unless measured at two splits); optional per-rank caps
 n_i <= cap_i (memory). Solved as a mixed-integer program with cvxpy and
 HiGHS (no extra solver package needed).
 
@@ -57,17 +58,27 @@ def _check(per_microbatch, total: int, caps) -> tuple[np.ndarray, np.ndarray]:
     return t, np.minimum(cap, total)
 
 
-def greedy(per_microbatch, total: int, caps=None) -> np.ndarray:
-    """Optimal counts by water-filling: O(M log W)."""
+def _fixed(fixed, w: int) -> np.ndarray:
+    f = np.zeros(w) if fixed is None else np.asarray(fixed, dtype=np.float64)
+    if len(f) != w or not np.all(np.isfinite(f)) or np.any(f < 0):
+        raise RebalanceError("fixed times must be one per rank, >= 0 and finite")
+    return f
+
+
+def greedy(per_microbatch, total: int, caps=None, fixed=None) -> np.ndarray:
+    """Optimal counts by water-filling: O(M log W). (Each rank's time grows
+    by the same t_i with every micro-batch, so giving the next one to the
+    rank that would finish it first is optimal, fixed times or not.)"""
     t, cap = _check(per_microbatch, total, caps)
+    f = _fixed(fixed, len(t))
     n = np.ones(len(t), dtype=np.int64)
-    heap = [(2 * t[i], i) for i in range(len(t)) if cap[i] > 1]
+    heap = [(f[i] + 2 * t[i], i) for i in range(len(t)) if cap[i] > 1]
     heapq.heapify(heap)
     for _ in range(total - len(t)):
         _, i = heapq.heappop(heap)
         n[i] += 1
         if n[i] < cap[i]:
-            heapq.heappush(heap, ((n[i] + 1) * t[i], i))
+            heapq.heappush(heap, (f[i] + (n[i] + 1) * t[i], i))
     return n
 
 
@@ -105,22 +116,27 @@ def _quiet_highs() -> None:
 
 
 def solve(per_microbatch: list[float] | np.ndarray, total: int,
-          caps: list[int] | None = None, time_limit: float = 10.0) -> Rebalance:
-    """Minimise max_i n_i t_i subject to sum n_i = total, 1 <= n_i <= cap_i."""
+          caps: list[int] | None = None, time_limit: float = 10.0,
+          fixed: list[float] | None = None) -> Rebalance:
+    """Minimise max_i f_i + n_i t_i subject to sum n_i = total,
+    1 <= n_i <= cap_i (`fixed`: f_i, default 0)."""
     import cvxpy as cp
     _quiet_highs()
     t, cap = _check(per_microbatch, total, caps)
     w = len(t)
+    f = _fixed(fixed, w)
     start = time.perf_counter()
     # Scale times to O(1): the solver's tolerances are absolute.
-    ts = t / float(t.max())
-    g = greedy(ts, total, cap)
-    t_greedy = float((g * ts).max())
-    upper = np.minimum(cap, np.floor(t_greedy / ts * (1 + 1e-9))).astype(np.int64)
+    scale = float(t.max())
+    ts, fs = t / scale, f / scale
+    g = greedy(ts, total, cap, fs)
+    t_greedy = float((fs + g * ts).max())
+    upper = np.minimum(cap, np.floor((t_greedy - fs) / ts * (1 + 1e-9))).astype(np.int64)
+    upper = np.maximum(upper, 1)
     lower = np.maximum(1, total - (upper.sum() - upper))
     n = cp.Variable(w, integer=True)
     T = cp.Variable()
-    prob = cp.Problem(cp.Minimize(T), [cp.multiply(ts, n) <= T, cp.sum(n) == total,
+    prob = cp.Problem(cp.Minimize(T), [fs + cp.multiply(ts, n) <= T, cp.sum(n) == total,
                                        n >= lower, n <= upper, T <= t_greedy])
     try:
         prob.solve(solver=cp.HIGHS, time_limit=time_limit)
@@ -130,11 +146,15 @@ def solve(per_microbatch: list[float] | np.ndarray, total: int,
     counts = g
     if n.value is not None and status == cp.OPTIMAL:
         mip = np.rint(n.value).astype(np.int64)
-        if mip.sum() == total and np.all(mip >= 1) and np.all(mip <= cap):
+        # The MIP's counts only where they are strictly better: an optimum
+        # held by one rank (a straggler at its least) leaves the others
+        # any counts under it, and the greedy's are the balanced ones.
+        if (mip.sum() == total and np.all(mip >= 1) and np.all(mip <= cap)
+                and (fs + mip * ts).max() < t_greedy * (1 - 1e-9)):
             counts = mip
     else:
         status = "greedy"
     elapsed = time.perf_counter() - start
     even = np.array(even_split(total, w))
-    return Rebalance(tuple(int(c) for c in counts), float((counts * t).max()),
-                     float((even * t).max()), elapsed, status)
+    return Rebalance(tuple(int(c) for c in counts), float((f + counts * t).max()),
+                     float((f + even * t).max()), elapsed, status)

@@ -28,6 +28,7 @@ class Job:
         # at full speed and stalls every `bursty`-th iteration for what the
         # slowdown costs over those iterations (the same mean, fast median).
         self.bursty = 0
+        self.fixed: dict[int, float] = {}      # ms per iteration whatever the split
         self.split = dict(enumerate(even_split(total, len(speeds))))
         self.index = 0
         self.now = 0
@@ -47,6 +48,8 @@ class Job:
                     fast = self.split[r] * self.t[r]
                     stall = self.index % self.bursty == 0
                     compute[r] = fast + (fast * (factor - 1) * self.bursty if stall else 0.0)
+        for r, f in self.fixed.items():
+            compute[r] += f
         dur = max(compute.values()) + OVERHEAD_MS + self.wait_ms
         evs = [{"kind": "iteration", "rank": r, "index": self.index, "start_ns": self.now,
                 "dur_ns": int(dur * 1e6), "compute_ns": int(compute[r] * 1e6),
@@ -537,3 +540,41 @@ def test_a_validation_that_measures_the_straggler_slow_restarts_the_recheck_cloc
     pol.observe(v)
     assert pol.recheck_due(job.now + int(25e9)) is None
     assert pol.recheck_due(job.now + int(36e9)) == 2
+
+
+def test_a_refinement_counts_each_ranks_fixed_time_from_two_splits():
+    # Rank 2 under a quota whose cost is mostly per iteration (its step,
+    # its collectives' CPU): 10 ms fixed against the others' 2. From the
+    # even split alone a line through zero puts that on its micro-batches,
+    # and the first plan runs far slower than predicted. Measured at two
+    # splits, each rank's line is its own: the refinement predicts what it
+    # then runs, is the best split of the true times, and is no slower
+    # than the plan (a line through zero from the plan alone predicted
+    # 10.8 ms for the same 13.2).
+    import itertools
+    job = Job([0.6] * 4)
+    job.fixed = {r: 2.0 for r in range(4)}
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    job.t[2], job.fixed[2] = 1.2, 10.0
+    run(pol, job, 4)
+    out = pol.observe(slowdown(job, 8.8, 21.6, 20, 24))
+    out += run(pol, job, 8)
+    out += pol.observe(verdict(job, [2]))
+    out += run(pol, job, 30)
+    (first,) = plans(out)
+    apply(pol, job, first)
+
+    def iteration(split):
+        return max(job.fixed[r] + n * job.t[r] for r, n in split.items()) + OVERHEAD_MS
+    at_first = iteration(job.split)
+    assert at_first > first.expected_ms * 1.15           # the line through zero misses
+    (refined,) = plans(run(pol, job, 300))
+    apply(pol, job, refined)
+    got = iteration(job.split)
+    assert got <= at_first and abs(refined.expected_ms / got - 1) < 0.05, (refined, got)
+    best = min((dict(enumerate(c)) for c in itertools.product(range(1, 30), repeat=4)
+                if sum(c) == 32), key=iteration)
+    assert got == pytest.approx(iteration(best))
+    assert max(job.split.values()) - min(n for r, n in job.split.items() if r != 2) <= 1

@@ -8,14 +8,15 @@ import pytest
 from mitigation.rebalance import RebalanceError, even_split, greedy, solve
 
 
-def brute_force(t, total, caps=None):
+def brute_force(t, total, caps=None, fixed=None):
     w = len(t)
     caps = caps or [total] * w
+    fixed = fixed or [0.0] * w
     best = None
     for counts in itertools.product(*(range(1, c + 1) for c in caps)):
         if sum(counts) != total:
             continue
-        m = max(c * x for c, x in zip(counts, t))
+        m = max(f + c * x for f, c, x in zip(fixed, counts, t))
         if best is None or m < best - 1e-12:
             best = m
     return best
@@ -39,6 +40,26 @@ def test_matches_brute_force(seed):
     assert r.status == "optimal"          # the MIP certified it, not the fallback
     g = greedy(t, total, caps)
     assert sum(g) == total and max(g * t) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fixed_times_per_iteration_match_brute_force(seed):
+    # A rank's fixed time per iteration (its step, its collectives' CPU)
+    # does not shrink with its micro-batches: the optimum counts it.
+    rng = np.random.default_rng(100 + seed)
+    w = int(rng.integers(2, 5))
+    total = int(rng.integers(w, 13))
+    t = rng.uniform(0.5, 3.0, size=w).round(3)
+    f = rng.uniform(0.0, 6.0, size=w).round(3)
+    r = solve(t, total, fixed=list(f))
+    best = brute_force(list(t), total, fixed=list(f))
+    assert r.makespan == pytest.approx(best, rel=1e-9) and r.status == "optimal"
+    g = greedy(t, total, fixed=f)
+    assert max(f + g * t) == pytest.approx(best, rel=1e-9)
+    # Two ranks alike but for rank 1's fixed 4 ms: it takes 3 of 10, not 5.
+    assert solve([1.0, 1.0], 10, fixed=[0.0, 4.0]).counts == (7, 3)
+    with pytest.raises(RebalanceError):
+        solve([1.0, 1.0], 4, fixed=[0.0, -1.0])
 
 
 def test_large_case_is_certified_optimal():
