@@ -76,3 +76,27 @@ class Episode:
     trial: dict | None = None            # a trial return to even in progress
     trial_due_ns: int | None = None      # a recheck was refused: a trial instead
     restart_considered: bool = False
+
+
+def two_split_lines(order: list, t: dict, split: dict, at_even: dict) -> tuple[list, list]:
+    """Per rank (in `order`), time per micro-batch and fixed time per
+    iteration from its mean compute at the even split (`at_even`: rank ->
+    (micro-batches, mean compute)) and under the plan (`t`: time per
+    micro-batch at `split`): a line through the two points. One point says
+    nothing of a rank's fixed costs (its step, its collectives' CPU under a
+    quota), and the line through zero blames them on its micro-batches:
+    under the plan the straggler's time per micro-batch grew (1.22 -> 1.60
+    ms at 8 -> 5 of 16, bench_mitigation) and a refinement moved work off
+    it that the sweep showed slower. A slope under a quarter of the mean is
+    noise: the line through zero then."""
+    per, fixed = [], []
+    for k in order:
+        n1 = split[k]
+        c1 = t[k] * n1
+        n0, c0 = at_even.get(k, (n1, c1))
+        b = (c1 - c0) / (n1 - n0) if n1 != n0 else 0.0
+        if b < 0.25 * c1 / n1:
+            b = c1 / n1
+        per.append(b)
+        fixed.append(max(0.0, c1 - b * n1))
+    return per, fixed

@@ -76,7 +76,9 @@ class FaultGone:
             # The fault is gone, or the even split now runs faster than the
             # plan did (both means: the plan no longer pays): it stays.
             self.episode = None
-            return []
+            return [Decision("none", f"trial at the even split ran {got:.1f} ms per iteration"
+                             + (f" (the plan {plan_ms:.1f})" if plan_ms else "")
+                             + ": the fault is gone, the even split stays", got)]
         e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
         e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
         return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "

@@ -67,6 +67,7 @@ from greyhound_bpf.events import is_speed_sample
 from .episode import RECHECK_AFTER_S
 from .episode import Episode as _Episode
 from .episode import Rank as _Rank
+from .episode import two_split_lines
 from .gone import RECOVERED, TRIAL_MIN_S, FaultGone
 from .rebalance import RebalanceError, even_split, solve
 from .restart import Decision, restart_decision
@@ -475,7 +476,7 @@ class SkiRentalPolicy(FaultGone):
         total = sum(counts_now)
         fixed = [0.0] * len(order)
         if e.changes and not new_straggler and e.at_even:
-            times, fixed = self._two_splits(order, t)
+            times, fixed = two_split_lines(order, t, split, e.at_even)
         # Work goes only onto ranks shown healthy.
         caps = [split[k] if k in e.named_slow else total for k in order]
         try:
@@ -514,29 +515,6 @@ class SkiRentalPolicy(FaultGone):
         e.recheck_at_ns = self._now_ns + int(RECHECK_AFTER_S * 1e9)
         return [self._plan(counts, reason, expected=expected, cost_ms=cost_ms,
                            predicted_compute_ms=best.makespan, compute_now_ms=now_pred)]
-
-    def _two_splits(self, order: list[int], t: dict[int, float]) -> tuple[list, list]:
-        """Per rank, time per micro-batch and fixed time per iteration from
-        its mean compute at the even split and under the plan: a line
-        through the two points. One point says nothing of a rank's fixed
-        costs (its step, its collectives' CPU under a quota), and the line
-        through zero blames them on its micro-batches: under the plan the
-        straggler's time per micro-batch grew (1.22 -> 1.60 ms at 8 -> 5 of
-        16, bench_mitigation) and a refinement moved work off it that the
-        sweep showed slower. A slope under a quarter of the mean is noise:
-        the line through zero then."""
-        e = self.episode
-        per, fixed = [], []
-        for k in order:
-            n1 = self._current_split()[k]
-            c1 = t[k] * n1
-            n0, c0 = e.at_even.get(k, (n1, c1))
-            b = (c1 - c0) / (n1 - n0) if n1 != n0 else 0.0
-            if b < 0.25 * c1 / n1:
-                b = c1 / n1
-            per.append(b)
-            fixed.append(max(0.0, c1 - b * n1))
-        return per, fixed
 
     def _plan(self, counts: dict[int, int], reason: str, expected: float | None = None,
               even: bool = False, **numbers) -> Decision:

@@ -54,10 +54,15 @@ def summarize(work: Path, t: dict) -> int:
                  and e.get("strategy") == "rebalance_microbatches" and e.get("seq")
                  and e.get("plan"))
     applied = plan and first(evs, lambda e: e["kind"] == "applied" and e["seq"] == plan["seq"])
-    even = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift and e.get("plan")
-                 and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1)
-    even_applied = even and first(evs, lambda e: e["kind"] == "applied"
-                                  and e["seq"] == even["seq"])
+    # The even split back: planned (a return, or a trial that stays) and
+    # applied after the lift. (A trial can be planned in the last moment of
+    # the fault and applied after it.)
+    evens = {e["seq"] for e in evs if e["kind"] == "action" and e.get("seq") and e.get("plan")
+             and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1}
+    after = [e for e in evs if e["kind"] == "applied" and e["time_ns"] > lift]
+    # ...and not left again (a trial the fault outlasted is reverted).
+    even_applied = next((e for i, e in enumerate(after) if e["seq"] in evens
+                         and all(x["seq"] in evens for x in after[i:])), None)
     # The first verdict that names a cause (a slowdown that ramps up over a
     # few iterations can first be reported as a smaller step, found unknown).
     def verdict(evidence):
