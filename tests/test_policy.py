@@ -503,6 +503,22 @@ def test_a_trial_keeps_the_even_split_when_it_runs_faster_than_the_plan_did():
     assert plans(run(pol, job, 120)) == [] and not pol.slow
 
 
+def first_plan_for_rank_2(job, fault, before_ms, after_ms):
+    """20 healthy iterations, then `fault()`, the job's slowdown and a
+    passive verdict naming rank 2: the policy and its one plan."""
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    fault()
+    run(pol, job, 4)
+    out = pol.observe(slowdown(job, before_ms, after_ms, 20, 24))
+    out += run(pol, job, 8)
+    out += pol.observe(verdict(job, [2]))
+    out += run(pol, job, 30)
+    (p,) = plans(out)
+    return pol, p
+
+
 def test_a_bursty_quota_is_planned_from_means_and_the_plan_predicted_from_them():
     # A CFS quota on a fast job: rank 2's iterations are fast, with one in
     # six stalled for what the quota costs them all (bench_mitigation: the
@@ -511,16 +527,10 @@ def test_a_bursty_quota_is_planned_from_means_and_the_plan_predicted_from_them()
     # takes twice as long per micro-batch, and the plan's prediction is the
     # job's mean iteration under it.
     job = Job([1.0] * 4)
-    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
-    pol.acks(job.acks())
-    run(pol, job, 20)
-    job.quota[2], job.bursty = (5, 2.0), 6
-    run(pol, job, 4)
-    out = pol.observe(slowdown(job, 10.0, 18.0, 20, 24))
-    out += run(pol, job, 8)
-    out += pol.observe(verdict(job, [2]))
-    out += run(pol, job, 30)
-    (p,) = plans(out)
+
+    def fault():
+        job.quota[2], job.bursty = (5, 2.0), 6
+    pol, p = first_plan_for_rank_2(job, fault, 10.0, 18.0)
     assert p.plan["microbatches"][2] < 8, p
     apply(pol, job, p)
     start, n = job.now, 60
@@ -554,16 +564,10 @@ def test_a_refinement_counts_each_ranks_fixed_time_from_two_splits():
     import itertools
     job = Job([0.6] * 4)
     job.fixed = {r: 2.0 for r in range(4)}
-    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
-    pol.acks(job.acks())
-    run(pol, job, 20)
-    job.t[2], job.fixed[2] = 1.2, 10.0
-    run(pol, job, 4)
-    out = pol.observe(slowdown(job, 8.8, 21.6, 20, 24))
-    out += run(pol, job, 8)
-    out += pol.observe(verdict(job, [2]))
-    out += run(pol, job, 30)
-    (first,) = plans(out)
+
+    def fault():
+        job.t[2], job.fixed[2] = 1.2, 10.0
+    pol, first = first_plan_for_rank_2(job, fault, 8.8, 21.6)
     apply(pol, job, first)
 
     def iteration(split):
