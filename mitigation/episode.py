@@ -3,9 +3,10 @@
 Plain data; mitigation.policy decides."""
 from __future__ import annotations
 
-import statistics
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 # Is the fault gone? A recheck of the straggler's device this long after the
 # plan was applied, then at doubling intervals (mitigation.policy).
@@ -28,8 +29,7 @@ class Rank:
         of the newest, and at least the newest `least`."""
         if not self.end_ns:
             return 0
-        lo = self.end_ns[-1] - span_ns
-        first = next((i for i, e in enumerate(self.end_ns) if e >= lo), len(self.end_ns))
+        first = bisect.bisect_left(self.end_ns, self.end_ns[-1] - span_ns)  # ends in order
         return max(0, min(first, len(self.end_ns) - least))
 
     def span_ns(self, start: int = 0) -> int:
@@ -46,12 +46,12 @@ class Rank:
         while the job runs at its throughput (bench_mitigation: a median of
         12.9 ms where the trainer's own log read 15.5). On a slow GPU the
         mean and the median agree."""
-        pairs = [(c, n) for c, n in list(zip(self.compute_ms, self.count))[start:] if n]
+        pairs = [(c, n) for c, n in islice(zip(self.compute_ms, self.count), start, None) if n]
         return sum(c for c, _ in pairs) / sum(n for _, n in pairs) if pairs else None
 
     def mean_ms(self, start: int = 0) -> float | None:
         """The mean iteration over the samples from `start` (as above)."""
-        d = list(self.dur_ms)[start:]
+        d = list(islice(self.dur_ms, start, None))
         return sum(d) / len(d) if d else None
 
 

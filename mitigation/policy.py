@@ -452,9 +452,9 @@ class SkiRentalPolicy(FaultGone):
         if not e.changes and e.loss_ms < cost_ms:
             return []                        # the loss grows each iteration: look again
         if e.changes and not new_straggler and (
-                self.since_plan < 2 * self.window or self.recent_job_ms() is None
+                self.since_plan < 2 * self.window
                 or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
-                or self.recent_job_ms() <= e.plan_ms * (1 + REFINE_OFF)):
+                or (self.recent_job_ms() or 0.0) <= e.plan_ms * (1 + REFINE_OFF)):
             return []                        # the plan runs as predicted: hold it
         t = self._speeds()
         if t is None:

@@ -137,19 +137,22 @@ def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
     return ref, spread, slow
 
 
-def device_healthy(details: dict, rank: int) -> bool:
-    """Did a validation (its `details`) measure `rank`'s device healthy,
-    judged as `decide` judges it? Not where it was not measured, or was
-    measured alone (no reference to judge it by)."""
+def _device_slow(details: dict, rank: int) -> bool | None:
+    """Did a validation (its `details`) measure `rank`'s device slow, judged
+    as `decide` judges it? None where it was not measured, or was measured
+    alone (no reference to judge it by)."""
     gemm = {int(r): d["ms_per_gemm"] for r, d in (details.get("devices") or {}).items()}
-    return rank in gemm and len(gemm) >= 2 and rank not in outliers(gemm)[2]
+    if rank not in gemm or len(gemm) < 2:
+        return None
+    return rank in outliers(gemm)[2]
+
+
+def device_healthy(details: dict, rank: int) -> bool:
+    return _device_slow(details, rank) is False
 
 
 def device_slow(details: dict, rank: int) -> bool:
-    """Did a validation measure `rank`'s device slow (an outlier among the
-    devices it measured)?"""
-    gemm = {int(r): d["ms_per_gemm"] for r, d in (details.get("devices") or {}).items()}
-    return rank in gemm and len(gemm) >= 2 and rank in outliers(gemm)[2]
+    return _device_slow(details, rank) is True
 
 
 def _rank_links(rtt: dict):
