@@ -265,6 +265,57 @@ def test_a_device_the_passive_verdict_named_needs_no_second_pause(ddp_job):
     assert workers_left() == []
 
 
+def test_cpu_gemms_run_at_once_only_where_ranks_have_cpus_of_their_own():
+    from greyhound_bpf.diagnosis.validator import disjoint
+    assert disjoint([{0}, {1}]) and disjoint([{0, 1}, {2}, {3}])
+    assert not disjoint([{0, 1}, {1}])          # ranks share a core: one at a time
+    assert not disjoint([{0}, None])            # one not known
+    assert not disjoint([{0, 1}, {0, 1}])
+
+
+def pin_one_core_each(members) -> None:
+    """Each rank (every thread) on a core of its own, as a GPU job's ranks
+    each have a device of their own."""
+    import os
+    for m in members:
+        for tid in os.listdir(f"/proc/{m.pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), {m.rank % os.cpu_count()})
+            except OSError:
+                pass
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_ranks_on_cores_of_their_own_are_measured_at_once(ddp_job):
+    """2 ranks pinned one per core: their GEMMs run at once (one pause half
+    as long as one after another), a healthy pair reads no suspect, and
+    rank 1 at half a CPU is named, next to rank 0 measured at the same
+    moment."""
+    import os
+    from greyhound_bpf.diagnosis import validator as validate
+    if os.cpu_count() < 2:
+        pytest.skip("needs 2 CPUs to give each rank one of its own")
+    job = ddp_job(2, 0, go=False)
+    wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
+    members = validate.members_for_job([job.proc.pid])
+    pin_one_core_each(members)
+    said = []
+    v = validate.Validator(members, progress=said.append)
+    try:
+        v.start()
+        healthy = v.measure()
+        with CpuQuota(next(m.pid for m in members if m.rank == 1), 0.5):
+            slow = v.measure()
+    finally:
+        v.close()
+    assert any(m == "GEMM on 2 device(s) at once" for m in said), said
+    assert decide(healthy)["ranks"] == [], (said, healthy)
+    fields = decide(slow)
+    assert (fields["cause"], fields["ranks"]) == ("computation", [1]), (said, slow)
+    assert workers_left() == []
+
+
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_rate_limited_link_is_named(tmp_path):

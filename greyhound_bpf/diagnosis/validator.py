@@ -10,8 +10,10 @@ rank). Validation measures them directly:
   a rank throttled by a CPU quota (or a GPU with locked clocks) measures
   slow. On GPUs the GEMMs of different devices run at once, with NVML's
   clocks, temperature and throttle reasons as evidence; on CPUs one at a
-  time, because ranks share cores and concurrent GEMMs would measure the
-  sharing, not the rank.
+  time where ranks share cores (concurrent GEMMs would measure the
+  sharing, not the rank), and at once where each rank has CPUs of its own
+  (disjoint affinities: the job's own layout, so nothing is shared that the
+  job does not share).
 - **communication**: a point-to-point ping-pong (latency with 8 bytes,
   bandwidth with `P2P_BYTES`) along every ring edge of the communicator
   (rank order) and every pipeline edge, over torch.distributed (NCCL on GPUs,
@@ -45,7 +47,7 @@ from .rules import Result, link_name, link_suspects, outliers, ring_edges, sched
 
 P2P_BYTES = 4 << 20
 P2P_BYTES_GPU = 64 << 20     # NVLink/InfiniBand: launch overhead would dominate 4 MiB
-GEMM_SECONDS = 0.4           # per device and pass; CPU GEMMs run one after another
+GEMM_SECONDS = 0.4           # per device and pass (CPU GEMMs one after another: less)
 P2P_SECONDS = 0.2            # per edge
 # Suspects left after the first pause are measured once more after the job
 # has run this long: a busy moment of a shared host can last seconds (in CI
@@ -275,22 +277,25 @@ class Validator:
                                 "into the pause, and the GEMMs were timed beside it")
 
     def _gemm_seconds(self, ready: list[int]) -> tuple[bool, float]:
-        """(GPUs?, seconds per GEMM window). On CPUs a window spans several
-        CFS periods (100 ms), or a quota would show only in part."""
+        """(at once?, seconds per GEMM window), for workers already placed.
+        At once on GPUs, and on CPUs where each rank has CPUs of its own.
+        On CPUs a window spans several CFS periods (100 ms), or a quota
+        would show only in part; one after another, shorter when many."""
         gpus = all(self.workers[r].m.device.startswith("cuda") for r in ready)
-        return gpus, (GEMM_SECONDS if gpus
-                      else max(0.25, min(GEMM_SECONDS, 2.4 / max(1, len(ready)))))
+        if gpus or disjoint([self.workers[r].m.affinity for r in ready]):
+            return True, GEMM_SECONDS
+        return False, max(0.25, min(GEMM_SECONDS, 2.4 / max(1, len(ready))))
 
     def _gemms(self, ready: list[int], res: Result) -> None:
-        gpus, secs = self._gemm_seconds(ready)
         for r in ready:
             self.workers[r].place()
+        together, secs = self._gemm_seconds(ready)
         self.progress(f"GEMM on {len(ready)} device(s)"
-                      + (" at once" if gpus else ", one at a time"))
-        self._gemm_pass(ready, gpus, secs, res)
-        self._recheck_devices(gpus, secs, res)
+                      + (" at once" if together else ", one at a time"))
+        self._gemm_pass(ready, together, secs, res)
+        self._recheck_devices(together, secs, res)
 
-    def _recheck_devices(self, gpus: bool, secs: float, res: Result) -> None:
+    def _recheck_devices(self, together: bool, secs: float, res: Result) -> None:
         """A suspect is measured again with the fastest device as a witness,
         and keeps its better time: noise (a busy moment of a shared host)
         rarely hits the same device twice, a slow device is slow each time.
@@ -302,20 +307,20 @@ class Validator:
             if not suspects:
                 break
             self.progress(f"GEMM again on rank(s) {', '.join(map(str, sorted(suspects)))}")
-            done |= self._gemm_again(suspects, gpus, secs, res)
+            done |= self._gemm_again(suspects, together, secs, res)
 
     @staticmethod
     def _slow_devices(res: Result) -> list[int]:
         got = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
         return sorted(outliers(got)[2]) if len(got) >= 2 else []
 
-    def _gemm_again(self, suspects, gpus: bool, secs: float, res: Result) -> set:
+    def _gemm_again(self, suspects, together: bool, secs: float, res: Result) -> set:
         """Measure the suspects and the fastest device (a witness) once more;
         each keeps its better time. Returns the devices measured."""
         got = {r: d["ms_per_gemm"] for r, d in res.devices.items()}
         again = set(suspects) | {min(got, key=got.get)}
         before = {r: res.devices[r] for r in again if r in res.devices}
-        self._gemm_pass(sorted(again), gpus, secs, res)
+        self._gemm_pass(sorted(again), together, secs, res)
         for r in again:
             if r in before:
                 if r not in res.devices or before[r]["ms_per_gemm"] < res.devices[r]["ms_per_gemm"]:
@@ -359,10 +364,10 @@ class Validator:
         pause = Pause(pids, self.pause_max_s, self.report)
         with pause:
             if devices:
-                gpus, secs = self._gemm_seconds(ready)
                 for r in ready:
                     self.workers[r].place()
-                self._recheck_devices(gpus, secs, res)
+                together, secs = self._gemm_seconds(ready)
+                self._recheck_devices(together, secs, res)
             if links:
                 for w in self.workers.values():
                     w.unplace()
@@ -436,6 +441,16 @@ class Validator:
                     res.links.update(out)
                     return None
         return out
+
+def disjoint(affinities) -> bool:
+    """Each set known, and no CPU in two of them."""
+    seen: set = set()
+    for a in affinities:
+        if not a or seen & set(a):
+            return False
+        seen |= set(a)
+    return True
+
 
 # -- front ends ---------------------------------------------------------------------
 
