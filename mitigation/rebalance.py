@@ -115,6 +115,15 @@ def _quiet_highs() -> None:
         os.close(null)
 
 
+def warm() -> float:
+    """Import the solver and solve once (cvxpy's import and its first
+    problem: about 0.5 CPU s), so that the first plan, which a job waits
+    for, does not pay for them. Returns the seconds it took."""
+    start = time.perf_counter()
+    solve([1.0, 2.0], 3)
+    return time.perf_counter() - start
+
+
 def solve(per_microbatch: list[float] | np.ndarray, total: int,
           caps: list[int] | None = None, time_limit: float = 10.0,
           fixed: list[float] | None = None) -> Rebalance:

@@ -96,6 +96,11 @@ def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
                           "a plan reported", interval=0.5)[0]
     assert t.stop() == 0
     assert advice["mode"] == "advise" and advice["seq"] is None
+    # The solver was warmed while attach started (a span of our own), not
+    # between the verdict and its plan.
+    warm = [e for e in t.events("activity") if e["id"].startswith("solver-")]
+    assert warm and warm[0]["what"] == "attach", t.story()
+    assert warm[0]["end_ns"] < inject_ns
     assert not ctl.exists()                                   # nothing written
     assert {r["microbatches"] for r in job.truth_records()} == {8}
     assert "ADVICE" in t.output()
