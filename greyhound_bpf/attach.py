@@ -107,17 +107,15 @@ class AttachSession:
             raise GreyhoundError("--mitigate needs --control-file PATH: the file the "
                                  "training script reads its plans from")
         if opts.control_file:
-            from mitigation.control import ControlWriter, PlanError
+            from mitigation.control import ControlWriter, PlanError, writer_lock
             try:
                 self.control = ControlWriter(opts.control_file)
             except PlanError as e:
                 raise GreyhoundError(f"--control-file: {e}") from None
         # One writer per control file: a second `attach --mitigate` on the
         # same job advises only (two policies would undo each other's plans).
-        self.plan_lock = None
-        mitigate = opts.mitigate
-        if mitigate:
-            from mitigation.control import writer_lock
+        self.plan_lock, mitigate = None, opts.mitigate
+        if mitigate:                    # (--mitigate comes with a --control-file)
             self.plan_lock, holder = writer_lock(opts.control_file)
             if self.plan_lock is None:
                 mitigate = False
@@ -266,8 +264,9 @@ class AttachSession:
             self.tracer.load()
             new, _, _ = self._initial_scan
             self._attach_targets(new, first=True)
-            if self.control is not None:
-                self._warm_solver()
+            if self.control is not None:   # the solver's first use: not at the first plan
+                from mitigation.rebalance import warm
+                self.feed(Activity(self.now_ns(), "solver", "attach", *warm(self.now_ns)))
             background.restore()
             if background.timed_out:
                 self.say(f"start-up outlasted {background.max_s:.0f} s at idle priority "
@@ -511,15 +510,6 @@ class AttachSession:
         except (OSError, PlanError) as e:
             self.say(f"could not write plan {ev['seq']} to {self.opts.control_file}: {e}")
             self.feed(PlanWritten(self.now_ns(), ev["seq"], str(e)))
-
-    def _warm_solver(self) -> None:
-        """The solver's first use (cvxpy's import, its first problem) here,
-        still at idle priority and as a span of our own, not between the
-        first verdict and its plan (bench_mitigation: 1.1-1.4 s there)."""
-        from mitigation.rebalance import warm
-        begin = self.now_ns()
-        warm()
-        self.feed(Activity(self.now_ns(), f"solver-{begin}", "attach", begin, self.now_ns()))
 
     def _read_acks(self) -> None:
         if self.control is None:

@@ -115,13 +115,14 @@ def _quiet_highs() -> None:
         os.close(null)
 
 
-def warm() -> float:
+def warm(clock=time.monotonic_ns) -> tuple[int, int]:
     """Import the solver and solve once (cvxpy's import and its first
     problem: about 0.5 CPU s), so that the first plan, which a job waits
-    for, does not pay for them. Returns the seconds it took."""
-    start = time.perf_counter()
+    for, does not pay for them (`attach` does it while it starts, at idle
+    priority). Returns its (start, end) on `clock`."""
+    start = clock()
     solve([1.0, 2.0], 3)
-    return time.perf_counter() - start
+    return start, clock()
 
 
 def solve(per_microbatch: list[float] | np.ndarray, total: int,

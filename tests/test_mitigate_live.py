@@ -98,7 +98,7 @@ def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
     assert advice["mode"] == "advise" and advice["seq"] is None
     # The solver was warmed while attach started (a span of our own), not
     # between the verdict and its plan.
-    warm = [e for e in t.events("activity") if e["id"].startswith("solver-")]
+    warm = [e for e in t.events("activity") if e["id"] == "solver"]
     assert warm and warm[0]["what"] == "attach", t.story()
     assert warm[0]["end_ns"] < inject_ns
     assert not ctl.exists()                                   # nothing written

@@ -157,3 +157,21 @@ def test_a_large_slowdown_the_passive_look_calls_small_is_validated_if_it_lasts(
     assert p.tick(int((30 + PERSIST_S - 1) * S)) == []
     p.observe({"kind": "recovery", "scope": "job"})
     assert p.tick(int((30 + PERSIST_S + 1) * S)) == [] and p.pending is None
+
+
+def test_a_communication_verdict_on_a_slowdown_that_is_over_is_not_measured():
+    """A healthy 2-rank job's 1.4 s blip, judged at its recovery as
+    `communication`, started the workers and paused the job
+    (bench_mitigation's healthy phase): a link that recovered measures
+    healthy. A computation verdict then is still measured (a rebalance
+    hides a slow rank), and so is the same verdict while its slowdown lasts."""
+    link = Diagnosis("passive", "communication", "collectives grew", 10, (0, 1))
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.observe({"kind": "recovery", "scope": "job", "time_ns": 2 * S})
+    (f,) = p.consider(link, 2 * S)
+    assert f["phase"] == "skipped" and "over" in f["reason"] and p.in_flight is None
+    assert phases(p.consider(named(), 3 * S)) == ["request"]
+    p = ValidationPlanner()
+    slow(p, 0)
+    assert phases(p.consider(link, 2 * S)) == ["request"]

@@ -4,7 +4,10 @@ it verdicts, the job's slowdown events, pause spans and the time, and it
 answers with requests (`validation` events) that the validator serves.
 
 - A passive verdict is validated while its slowdown lasts, or whenever it
-  names a cause (a rebalance hides a slow rank, it does not fix it). One
+  names a rank's computation (a rebalance hides a slow rank, it does not
+  fix it); one naming communication after its slowdown is over is not (a
+  link that recovered measures healthy: a healthy 2-rank job's 1.4 s blip,
+  judged at its recovery, had its workers started and the job paused). One
   less than the passive rules' minimum (`below_min_ratio`) is not, unless
   the job's own slowdown is DISAGREE_RATIO or more: then the passive
   windows missed the fault (its onset placed late, the "before" already
@@ -129,6 +132,14 @@ class ValidationPlanner:
             return []
         if self.slow_since_ns is None and not v.named:
             return []             # the slowdown is over and nothing was named
+        if (self.slow_since_ns is None and v.cause == "communication"
+                and v.details.get("method") != "cross-section"):
+            # Judged on a slowdown that is over: a link that recovered
+            # measures healthy. (A rebalance hides a slow rank, so a
+            # computation verdict is measured whenever it comes.)
+            return [{"phase": "skipped", "index": v.index,
+                     "reason": "its slowdown is over, and a link that recovered measures "
+                               "healthy: validated if it slows the job again"}]
         if (not v.named and self.named_at_ns is not None and self.slow_since_ns is not None
                 and self.named_at_ns >= self.slow_since_ns):
             return []             # validation has named this slowdown's cause already
