@@ -31,7 +31,7 @@ faulted window, detection and planning included:
   budget refused a recheck, counted apart), whether work ever moved onto
   the slow rank, and whether the even split came back after the lift.
 
-    sudo scripts/bench_mitigation              # 3 rounds (4 runs each, ~5 min a round)
+    sudo scripts/bench_mitigation              # 3 rounds (4 runs each, ~8 min a round)
     sudo scripts/bench_mitigation --rounds 5 --fault 40
 """
 from __future__ import annotations
