@@ -442,6 +442,7 @@ class Validator:
                     return None
         return out
 
+
 def disjoint(affinities) -> bool:
     """Each set known, and no CPU in two of them."""
     seen: set = set()
