@@ -273,18 +273,6 @@ def test_cpu_gemms_run_at_once_only_where_ranks_have_cpus_of_their_own():
     assert not disjoint([{0, 1}, {0, 1}])
 
 
-def pin_one_core_each(members) -> None:
-    """Each rank (every thread) on a core of its own, as a GPU job's ranks
-    each have a device of their own."""
-    import os
-    for m in members:
-        for tid in os.listdir(f"/proc/{m.pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), {m.rank % os.cpu_count()})
-            except OSError:
-                pass
-
-
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_ranks_on_cores_of_their_own_are_measured_at_once(ddp_job):
@@ -296,10 +284,9 @@ def test_ranks_on_cores_of_their_own_are_measured_at_once(ddp_job):
     from greyhound_bpf.diagnosis import validator as validate
     if os.cpu_count() < 2:
         pytest.skip("needs 2 CPUs to give each rank one of its own")
-    job = ddp_job(2, 0, go=False)
+    job = ddp_job(2, 0, "--pin", go=False)          # a core each, as GPU ranks a device
     wait_for(lambda: len(job.truth_records()) >= 8, 120, "the job to train")
     members = validate.members_for_job([job.proc.pid])
-    pin_one_core_each(members)
     said = []
     v = validate.Validator(members, progress=said.append)
     try:
