@@ -175,3 +175,12 @@ def test_a_communication_verdict_on_a_slowdown_that_is_over_is_not_measured():
     p = ValidationPlanner()
     slow(p, 0)
     assert phases(p.consider(link, 2 * S)) == ["request"]
+    # One that waited (another validation in flight) while its slowdown
+    # ended is not measured either.
+    p = ValidationPlanner()
+    slow(p, 0)
+    (req,) = p.consider(named(), 2 * S)
+    assert p.consider(link, 3 * S) == []
+    p.observe({"kind": "recovery", "scope": "job", "time_ns": 4 * S})
+    finish(p, req, 5, 1.0, Diagnosis("validation", "unknown", "nothing slow", 10))
+    assert phases(p.tick(7 * S)) == ["skipped"] and p.pending is None

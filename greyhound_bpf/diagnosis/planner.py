@@ -132,14 +132,6 @@ class ValidationPlanner:
             return []
         if self.slow_since_ns is None and not v.named:
             return []             # the slowdown is over and nothing was named
-        if (self.slow_since_ns is None and v.cause == "communication"
-                and v.details.get("method") != "cross-section"):
-            # Judged on a slowdown that is over: a link that recovered
-            # measures healthy. (A rebalance hides a slow rank, so a
-            # computation verdict is measured whenever it comes.)
-            return [{"phase": "skipped", "index": v.index,
-                     "reason": "its slowdown is over, and a link that recovered measures "
-                               "healthy: validated if it slows the job again"}]
         if (not v.named and self.named_at_ns is not None and self.slow_since_ns is not None
                 and self.named_at_ns >= self.slow_since_ns):
             return []             # validation has named this slowdown's cause already
@@ -163,6 +155,15 @@ class ValidationPlanner:
         if self.slow_since_ns is None and (not v.named or other):
             self.pending = None
             return []
+        if (self.slow_since_ns is None and v.cause == "communication"
+                and v.details.get("method") != "cross-section"):
+            # Its slowdown is over (judged at its recovery, or ended while it
+            # waited): a link that recovered measures healthy. (A rebalance
+            # hides a slow rank: a computation verdict is measured anyway.)
+            self.pending = None
+            return [{"phase": "skipped", "index": v.index,
+                     "reason": "its slowdown is over, and a link that recovered measures "
+                               "healthy: validated if it slows the job again"}]
         why = None
         lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
                   else 0.0)
