@@ -276,20 +276,21 @@ class Validator:
             res.untested.append(f"a clean GPU: the job's queued work still ran {waited:.1f} s "
                                 "into the pause, and the GEMMs were timed beside it")
 
-    def _gemm_seconds(self, ready: list[int]) -> tuple[bool, float]:
-        """(at once?, seconds per GEMM window), for workers already placed.
-        At once on GPUs, and on CPUs where each rank has CPUs of its own.
-        On CPUs a window spans several CFS periods (100 ms), or a quota
-        would show only in part; one after another, shorter when many."""
+    def _place(self, ready: list[int]) -> tuple[bool, float]:
+        """Each worker where its rank runs now; then (at once?, seconds per
+        GEMM window). At once on GPUs, and on CPUs where each rank has CPUs
+        of its own. On CPUs a window spans several CFS periods (100 ms), or
+        a quota would show only in part; one after another, shorter when
+        many."""
+        for r in ready:
+            self.workers[r].place()
         gpus = all(self.workers[r].m.device.startswith("cuda") for r in ready)
         if gpus or disjoint([self.workers[r].m.affinity for r in ready]):
             return True, GEMM_SECONDS
         return False, max(0.25, min(GEMM_SECONDS, 2.4 / max(1, len(ready))))
 
     def _gemms(self, ready: list[int], res: Result) -> None:
-        for r in ready:
-            self.workers[r].place()
-        together, secs = self._gemm_seconds(ready)
+        together, secs = self._place(ready)
         self.progress(f"GEMM on {len(ready)} device(s)"
                       + (" at once" if together else ", one at a time"))
         self._gemm_pass(ready, together, secs, res)
@@ -364,9 +365,7 @@ class Validator:
         pause = Pause(pids, self.pause_max_s, self.report)
         with pause:
             if devices:
-                for r in ready:
-                    self.workers[r].place()
-                together, secs = self._gemm_seconds(ready)
+                together, secs = self._place(ready)
                 self._recheck_devices(together, secs, res)
             if links:
                 for w in self.workers.values():
