@@ -16,7 +16,8 @@
  * Waking the consumer on every record costs an irq_work and a context
  * switch per call, more than the probe itself. Records are submitted
  * without a wake-up except every GH_WAKEUP_EVERY-th on a CPU; in between,
- * the consumer's poll timeout (100 ms) collects them. User space sets it
+ * the consumer collects them after its poll timeout (ring_buffer_consume:
+ * epoll reports only wake-ups). User space sets it
  * to a quarter of the ring's capacity at most, so a wake-up comes well
  * before the ring fills.
  */

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -184,3 +185,23 @@ def test_entry_probes_find_their_function_by_address_and_forget_it_on_detach(nvi
         t.close()
     assert t.to_remove() == 0
     assert _fds_of(os.getpid()) == fds_before
+
+
+def test_a_few_calls_reach_the_stream_while_the_target_runs(nvidia_target, tracer):
+    # Records are submitted without a wake-up except every 64th on a CPU
+    # (probes/calls.bpf.c): a job making a few calls a second must still
+    # reach the analysis within the poll interval, not when the 64th comes
+    # (a job at a few iterations a second: seconds late, every rank's batch
+    # behind the others').
+    t = tracer([nvidia_target.pid], "--calls", "-q")
+    t.wait_attached(1)
+    made = run_calls(nvidia_target)
+    assert len(made) < 64
+    t0 = time.monotonic()
+    seen = wait_for(lambda: len(t.events("call")) >= len(made), 3.0)
+    assert seen, (f"{len(t.events('call'))} of {len(made)} calls streamed "
+                  f"{time.monotonic() - t0:.1f} s after they were made, the target still running")
+    nvidia_target.stdin.write("\n")
+    nvidia_target.stdin.flush()
+    assert t.wait(60) == 0, t.output()
+    assert len(t.events("call")) == len(made)

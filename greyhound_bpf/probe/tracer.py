@@ -272,8 +272,13 @@ class Tracer:
     # -- draining ----------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> np.ndarray:
-        """Wait up to timeout_ms for records; returns them as a CALL_DTYPE array."""
+        """Wait up to timeout_ms for records; returns them as a CALL_DTYPE array.
+        The wait ends at a wake-up (every GH_WAKEUP_EVERY-th record on a
+        CPU) or the timeout; either way the records submitted without one
+        are taken too (epoll only reports a wake-up: a job making a few
+        calls a second would otherwise reach us in batches seconds late)."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        self.bpf.ring_buffer_consume()
         if self._sites and time.monotonic() - self._sites_looked >= SITE_SWEEP_S:
             self.place_sites()       # a new site's wake-up record may have been lost
         return self._take()
