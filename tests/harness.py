@@ -149,6 +149,18 @@ def cpu_seconds(pid: int, reaped: bool = False) -> float:
     return sum(int(x) for x in fields[11:15 if reaped else 13]) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process, its live descendants and its reaped ones."""
+    from greyhound_bpf.probe.discovery import all_stats, descendants
+    total = 0.0
+    for p in descendants([pid], all_stats()):
+        try:
+            total += cpu_seconds(p, reaped=True)
+        except OSError:
+            continue
+    return total
+
+
 def cpu_share(pid: int, seconds: float) -> float:
     """Wait `seconds` and return the CPUs the process used meanwhile (1.0 is
     one CPU): an injection gives a rank a share of what it was using."""

@@ -47,11 +47,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import (BIN, Timeout, Tracer, cpu_seconds, free_port, kill_tree,  # noqa: E402
-                     median_dur, mitigating_healthy, rank_pids, read_jsonl, wait_for)
+from harness import (BIN, Timeout, Tracer, free_port, kill_tree,  # noqa: E402
+                     median_dur, mitigating_healthy, rank_pids, read_jsonl, tree_cpu_s,
+                     wait_for)
 
 from greyhound_bpf.inject import CpuQuota  # noqa: E402
-from greyhound_bpf.probe.discovery import all_stats, descendants  # noqa: E402
 from mitigation.resplit import predict_split  # noqa: E402
 
 TRAINER = ROOT / "scripts" / "pipeline_train.py"
@@ -100,17 +100,6 @@ def sweep_one(work: Path, split: list[int], quota: float | None, seconds: float)
         if q is not None:
             q.undo()
         kill_tree(p)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process, its live descendants and its reaped ones."""
-    total = 0.0
-    for p in descendants([pid], all_stats()):
-        try:
-            total += cpu_seconds(p, reaped=True)
-        except OSError:
-            continue
-    return total
 
 
 class CpuSampler(threading.Thread):
