@@ -43,6 +43,34 @@ def first(evs, pred):
     return next((e for e in evs if pred(e)), None)
 
 
+def even_back(evs: list[dict], lift: int) -> dict | None:
+    """The event that put the even split back after the lift, or None: the
+    even split (a return, or a trial that stays) applied after the lift and
+    not left again (a trial the fault outlasted is reverted); or a trial
+    applied in the fault's last moment that the lift ended while it ran, so
+    that the policy kept the even split after the lift (its verdict) and
+    nothing was applied again. (A trial can be planned in the last moment of
+    the fault and applied after it.)"""
+    evens = {e["seq"] for e in evs if e["kind"] == "action" and e.get("seq") and e.get("plan")
+             and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1}
+    applied = [e for e in evs if e["kind"] == "applied"]
+    after = [e for e in applied if e["time_ns"] > lift]
+    back = next((e for i, e in enumerate(after) if e["seq"] in evens
+                 and all(x["seq"] in evens for x in after[i:])), None)
+    if back is not None:
+        return back
+    kept = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift
+                 and e.get("strategy") == "none"
+                 and "the even split stays" in e.get("reason", ""))
+    if kept is None:
+        return None
+    before = [e for e in applied if e["time_ns"] <= kept["time_ns"]]
+    if before and before[-1]["seq"] in evens and all(
+            e["seq"] in evens for e in applied if e["time_ns"] > kept["time_ns"]):
+        return kept
+    return None
+
+
 def summarize(work: Path, t: dict) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -54,15 +82,7 @@ def summarize(work: Path, t: dict) -> int:
                  and e.get("strategy") == "rebalance_microbatches" and e.get("seq")
                  and e.get("plan"))
     applied = plan and first(evs, lambda e: e["kind"] == "applied" and e["seq"] == plan["seq"])
-    # The even split back: planned (a return, or a trial that stays) and
-    # applied after the lift. (A trial can be planned in the last moment of
-    # the fault and applied after it.)
-    evens = {e["seq"] for e in evs if e["kind"] == "action" and e.get("seq") and e.get("plan")
-             and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1}
-    after = [e for e in evs if e["kind"] == "applied" and e["time_ns"] > lift]
-    # ...and not left again (a trial the fault outlasted is reverted).
-    even_applied = next((e for i, e in enumerate(after) if e["seq"] in evens
-                         and all(x["seq"] in evens for x in after[i:])), None)
+    even_applied = even_back(evs, lift)
     # The first verdict that names a cause (a slowdown that ramps up over a
     # few iterations can first be reported as a smaller step, found unknown).
     def verdict(evidence):
@@ -216,12 +236,8 @@ def main(argv=None) -> int:
         inject.wait()
         t["lift"] = time.time_ns()
         lift = t["lift"]
-        wait_for(lambda: any(e["kind"] == "applied" and e["time_ns"] > lift and
-                               e["seq"] == max((a["seq"] for a in read_jsonl(
-                                   work / "events.jsonl") if a["kind"] == "action" and
-                                   a.get("seq") and len(set(a.get("plan", {}).get(
-                                       "microbatches", {}).values())) == 1), default=-1)
-                               for e in read_jsonl(work / "events.jsonl")), args.after, interval=0.5)
+        wait_for(lambda: even_back(read_jsonl(work / "events.jsonl"), lift), args.after,
+                 interval=0.5)
         time.sleep(5)
         t["end"] = time.time_ns()
     except KeyboardInterrupt:
