@@ -23,6 +23,9 @@ RECOVERED = 0.15
 # Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
 # after the plan was applied (mitigation.episode), then at doubling intervals...
 RECHECK_MAX_S = 320.0
+# How a trial that keeps the even split ends its reason (readers such as
+# scripts/demo_story.py find the decision by it).
+EVEN_STAYS = "the fault is gone, the even split stays"
 # A trial at the even split lasts at least this long: ten periods of the
 # CFS quota (100 ms), whose bursts make a fast job's iterations fast or
 # stalled (a 40 s fault at 8 ms per iteration: ~12 in a burst).
@@ -78,7 +81,7 @@ class FaultGone:
             self.episode = None
             return [Decision("none", f"trial at the even split ran {got:.1f} ms per iteration"
                              + (f" (the plan {plan_ms:.1f})" if plan_ms else "")
-                             + ": the fault is gone, the even split stays", got)]
+                             + f": {EVEN_STAYS}", got)]
         e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
         e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
         return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from mitigation.gone import EVEN_STAYS  # noqa: E402
 from harness import (BIN, DEMO_ARGS, DDPJob, cpu_share, median_dur, rank_pids,  # noqa: E402
                      read_jsonl, wait_for)
 
@@ -61,7 +62,7 @@ def even_back(evs: list[dict], lift: int) -> dict | None:
         return back
     kept = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift
                  and e.get("strategy") == "none"
-                 and "the even split stays" in e.get("reason", ""))
+                 and e.get("reason", "").endswith(EVEN_STAYS))
     if kept is None:
         return None
     before = [e for e in applied if e["time_ns"] <= kept["time_ns"]]

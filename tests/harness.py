@@ -151,9 +151,8 @@ def cpu_seconds(pid: int, reaped: bool = False) -> float:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of a process, its live descendants and its reaped ones."""
-    from greyhound_bpf.probe.discovery import all_stats, descendants
     total = 0.0
-    for p in descendants([pid], all_stats()):
+    for p in descendants_of(pid):
         try:
             total += cpu_seconds(p, reaped=True)
         except OSError:

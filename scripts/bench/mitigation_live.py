@@ -150,8 +150,8 @@ def sweep_run(work: Path, args) -> dict:
     # choice: the true best split's time lies between the two).
     passes = [{n: v[k][0] / 1e6 / max(1, v[k][1]) for n, v in spans.items() if len(v) > k}
               for k in (0, 1)]
-    held_out = [passes[1 - k][min(passes[k], key=passes[k].get)] for k in (0, 1)
-                if passes[k] and min(passes[k], key=passes[k].get) in passes[1 - k]]
+    picks = [min(p, key=p.get) if p else None for p in passes]
+    held_out = [passes[1 - k][n] for k, n in enumerate(picks) if n in passes[1 - k]]
     return {"split_ms": ms, "best": best, "best_ms": ms[best], "even_ms": ms[TOTAL_MB // 2],
             "held_out_ms": statistics.mean(held_out) if held_out else float("nan")}
 
@@ -239,10 +239,9 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
         got = mean_period(starts, a["time_ns"] + int(1e9), hi, paused)
         if got == got and e.get("expected_ms"):
             vs.append(got / e["expected_ms"] - 1)
-    splits = [f"{TOTAL_MB - int(e['plan']['microbatches'][str(SLOW_RANK)])}:"
-              f"{e['plan']['microbatches'][str(SLOW_RANK)]}" for e in in_fault]
-    onto_slow = any(int(e["plan"]["microbatches"][str(SLOW_RANK)]) > TOTAL_MB // 2
-                    for e in in_fault)
+    on_slow = [int(e["plan"]["microbatches"][str(SLOW_RANK)]) for e in in_fault]
+    splits = [f"{TOTAL_MB - n}:{n}" for n in on_slow]
+    onto_slow = any(n > TOTAL_MB // 2 for n in on_slow)
     first_applied = min((applied[e["seq"]]["time_ns"] for e in in_fault
                          if e.get("seq") in applied), default=None)
     return {"healthy_ms": median_period(starts, fault_ns - int(10e9), fault_ns),
