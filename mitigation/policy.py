@@ -44,7 +44,8 @@ attach, a fault the job-level detector missed). Within it:
    recheck refused, or where a trial costs less than the recheck's pause (the
    last one measured: the whole job stops, while a trial only runs slower for
    a moment), a trial return to the even split on that schedule: if the job
-   runs within RECOVERED of healthy at the even split over `window`
+   runs nearer healthy than the even split in the fault (or within RECOVERED
+   of healthy) over `window`
    iterations and at least `trial_min_s` (a CFS quota throttles in 100 ms
    bursts: its iterations are fast or stalled, so the trial reads their mean,
    not a median), it stays; if not, the plan returns (a trial and its revert

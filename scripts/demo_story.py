@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from mitigation.gone import EVEN_STAYS  # noqa: E402
+from mitigation.gone import EVEN_STAYS, TRIAL  # noqa: E402
 from harness import (BIN, DEMO_ARGS, DDPJob, cpu_share, median_dur, rank_pids,  # noqa: E402
                      read_jsonl, wait_for)
 
@@ -46,23 +46,28 @@ def first(evs, pred):
 
 def even_back(evs: list[dict], lift: int) -> dict | None:
     """The event that put the even split back after the lift, or None: the
-    even split (a return, or a trial that stays) applied after the lift and
-    not left again (a trial the fault outlasted is reverted); or a trial
-    applied in the fault's last moment that the lift ended while it ran, so
-    that the policy kept the even split after the lift (its verdict) and
-    nothing was applied again. (A trial can be planned in the last moment of
-    the fault and applied after it.)"""
-    evens = {e["seq"] for e in evs if e["kind"] == "action" and e.get("seq") and e.get("plan")
+    even split (a return, or a trial that the policy kept: its verdict
+    follows) applied after the lift and not left again (a trial the fault
+    outlasted is reverted, and one whose verdict is still to come is not
+    back yet); or a trial applied in the fault's last moment that the lift
+    ended while it ran, so that the policy kept the even split after the
+    lift (its verdict) and nothing was applied again. (A trial can be
+    planned in the last moment of the fault and applied after it.)"""
+    acts = [e for e in evs if e["kind"] == "action"]
+    evens = {e["seq"] for e in acts if e.get("seq") and e.get("plan")
              and len(set(e.get("plan", {}).get("microbatches", {}).values())) == 1}
+    trials = {e["seq"] for e in acts if e.get("seq") and e.get("reason", "").startswith(TRIAL)}
+    verdicts = [e for e in acts if e.get("strategy") == "none"
+                and e.get("reason", "").endswith(EVEN_STAYS)]
     applied = [e for e in evs if e["kind"] == "applied"]
     after = [e for e in applied if e["time_ns"] > lift]
     back = next((e for i, e in enumerate(after) if e["seq"] in evens
-                 and all(x["seq"] in evens for x in after[i:])), None)
+                 and all(x["seq"] in evens for x in after[i:])
+                 and (e["seq"] not in trials
+                      or any(v["time_ns"] >= e["time_ns"] for v in verdicts))), None)
     if back is not None:
         return back
-    kept = first(evs, lambda e: e["kind"] == "action" and e["time_ns"] > lift
-                 and e.get("strategy") == "none"
-                 and e.get("reason", "").endswith(EVEN_STAYS))
+    kept = first(verdicts, lambda e: e["time_ns"] > lift)
     if kept is None:
         return None
     before = [e for e in applied if e["time_ns"] <= kept["time_ns"]]
@@ -186,7 +191,9 @@ def main(argv=None) -> int:
                    help="no live view: the tool's event lines, then the summary (for CI)")
     p.add_argument("--healthy", type=float, default=30.0, help="seconds before the slowdown")
     p.add_argument("--slow", type=float, default=45.0, help="seconds the slowdown lasts")
-    p.add_argument("--after", type=float, default=40.0,
+    # A trial return to even that the lift cuts in half can read the fault
+    # still there; the next trial follows 40 s later (the doubling).
+    p.add_argument("--after", type=float, default=50.0,
                    help="longest wait for the even split after the slowdown")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="greyhound-demo."))

@@ -23,7 +23,7 @@ def fresh_groups() -> list:
 def test_demo_headless_tells_the_whole_story():
     before = fresh_groups()
     r = subprocess.run([str(ROOT / "scripts" / "demo"), "--headless", "--healthy", "20",
-                        "--slow", "30", "--after", "40"], capture_output=True, text=True,
+                        "--slow", "30", "--after", "50"], capture_output=True, text=True,
                        timeout=420, cwd=ROOT)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

@@ -503,6 +503,35 @@ def test_a_trial_keeps_the_even_split_when_it_runs_faster_than_the_plan_did():
     assert plans(run(pol, job, 120)) == [] and not pol.slow
 
 
+
+def test_a_trial_in_a_busier_moment_still_sees_the_fault_gone():
+    # The fault is gone, but the host is busier during the trial (CI's
+    # demo: every rank 2.5 ms slower): the even split runs 12.5 ms, over
+    # 15% above healthy (10) and slower than the plan ran (11), yet nearer
+    # healthy than the even split in the fault (18): even stays.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    job.quota.clear()
+    run(pol, job, 100)
+    assert pol.recheck_due(job.now + int(60e9)) == 2
+    pol.recheck_refused(job.now + int(60e9))
+    (trial,) = pol.trial_due(job.now + int(61e9))
+    apply(pol, job, trial)
+    job.wait_ms = 2.5
+    out = run(pol, job, 120)
+    assert plans(out) == [] and not pol.slow
+    assert any("healthy 10.0, in the fault 18.0" in d.reason for d in out)
+    # The same busier trial with the fault still there reads 20.5: it lasts.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    run(pol, job, 100)
+    pol.recheck_refused(job.now + int(60e9))
+    (trial,) = pol.trial_due(job.now + int(61e9))
+    apply(pol, job, trial)
+    job.wait_ms = 2.5
+    (back,) = plans(run(pol, job, 120))
+    assert "the fault lasts" in back.reason and pol.slow
+
 def first_plan_for_rank_2(job, fault, before_ms, after_ms):
     """20 healthy iterations, then `fault()`, the job's slowdown and a
     passive verdict naming rank 2: the policy and its one plan."""
