@@ -85,9 +85,9 @@ class FaultGone:
         e.trial = None
         got = span / 1e6 / self.since_plan
         plan_ms = trial.get("plan_ms")
-        bar = None
-        if e.healthy_ms:
-            bar = max(e.healthy_ms * (1 + RECOVERED), (e.healthy_ms + (e.even_ms or 0.0)) / 2)
+        bar = e.healthy_ms and e.healthy_ms * (1 + RECOVERED)
+        if bar and e.even_ms:
+            bar = max(bar, (e.healthy_ms + e.even_ms) / 2)
         if (bar and got <= bar) or (plan_ms and got < plan_ms):
             # Nearer healthy than the fault, or the even split now runs
             # faster than the plan did (both means: the plan no longer

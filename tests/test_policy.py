@@ -503,7 +503,6 @@ def test_a_trial_keeps_the_even_split_when_it_runs_faster_than_the_plan_did():
     assert plans(run(pol, job, 120)) == [] and not pol.slow
 
 
-
 def test_a_trial_in_a_busier_moment_still_sees_the_fault_gone():
     # The fault is gone, but the host is busier during the trial (CI's
     # demo: every rank 2.5 ms slower): the even split runs 12.5 ms, over
@@ -531,6 +530,7 @@ def test_a_trial_in_a_busier_moment_still_sees_the_fault_gone():
     job.wait_ms = 2.5
     (back,) = plans(run(pol, job, 120))
     assert "the fault lasts" in back.reason and pol.slow
+
 
 def first_plan_for_rank_2(job, fault, before_ms, after_ms):
     """20 healthy iterations, then `fault()`, the job's slowdown and a

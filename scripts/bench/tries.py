@@ -131,7 +131,6 @@ def main(argv=None) -> int:
                                  epilog="examples:\n  sudo scripts/bench_tries\n"
                                  "  sudo scripts/bench_tries --tries 20 --seed 11\n"
                                  "  sudo scripts/bench_tries --tries 12 --seed 17 19 23",
-
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=8, help="tries of each kind")
     ap.add_argument("--seed", type=int, nargs="+", default=[7],
@@ -161,8 +160,7 @@ def main(argv=None) -> int:
             r.update(rank=rank, share=share, offset=offset, seed=seed)
             results[kind].append(r)
             print(f"try {i + 1}/{len(plan)} {kind} (seed {seed}): {describe(r, kind)}",
-                  file=sys.stderr,
-                  flush=True)
+                  file=sys.stderr, flush=True)
             time.sleep(4)                          # the quota lifted: back to healthy
     except KeyboardInterrupt:
         print("bench_tries: interrupted", file=sys.stderr)
@@ -204,9 +202,6 @@ def summary(rs: list[dict]) -> str:
     return (f"{ok:>4}/{len(rs):<4} {sum(r['wrong'] for r in rs):>6} "
             f"{(statistics.median(delays) if delays else float('nan')):>13.1f} s "
             f"{100 * lo:>13.1f}%")
-
-
-    return 0
 
 
 if __name__ == "__main__":
