@@ -25,6 +25,8 @@ trial, twice as far off.
 """
 from __future__ import annotations
 
+from greyhound_bpf.diagnosis.planner import RECHECK_PAUSE_S
+
 from .restart import Decision
 
 # A slowdown is over when the job is back within this of its healthy speed.
@@ -58,10 +60,16 @@ class FaultGone:
         e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
         e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
         trial = self._trial_cost_ms()
-        if trial is not None and self.pause_ms is not None and trial < self.pause_ms:
+        if trial is not None and trial < self._pause_ms():
             e.trial_due_ns = now_ns          # cheaper than stopping the job to measure
             return None
         return e.straggler
+
+    def _pause_ms(self) -> float:
+        """What a recheck would pause the job for: the last validation's
+        pause, or (none measured: a plan confirmed the verdict) a recheck's
+        expected one, its workers' start not even counted."""
+        return self.pause_ms if self.pause_ms is not None else RECHECK_PAUSE_S * 1e3
 
     def _trial_cost_ms(self) -> float | None:
         """What a trial at the even split would cost the job while the fault
@@ -129,10 +137,9 @@ class FaultGone:
         plan_ms = ((self._now_ns - self.split_from_ns) / 1e6 / self.since_plan
                    if self.split_from_ns is not None and self.since_plan else None)
         e.trial = {"plan": dict(self.split), "expected_ms": e.plan_ms, "plan_ms": plan_ms}
-        cost, why = self._trial_cost_ms(), ""
-        if self.validate and cost is not None and self.pause_ms is not None \
-                and cost < self.pause_ms:
-            why = f" (about {cost:.0f} ms of the job's time, a recheck's pause {self.pause_ms:.0f})"
+        cost, why, pause = self._trial_cost_ms(), "", self._pause_ms()
+        if self.validate and cost is not None and cost < pause:
+            why = f" (about {cost:.0f} ms of the job's time, a recheck's pause {pause:.0f})"
         return [self._plan(self._even(), f"{TRIAL} the even split for "
                            f"{self.window} iterations and "
                            f"{self.trial_min_ns / 1e9:g} s{why}")]

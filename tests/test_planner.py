@@ -1,8 +1,8 @@
 """When to validate (diagnosis.planner): a named verdict at once, one that
 names nothing only if its slowdown lasts, a backoff after a validation that
 named nothing, and the pause budget over any 10 minutes."""
-from greyhound_bpf.diagnosis.planner import (BACKOFF_S, PERSIST_S, RECHECK_PAUSE_S,
-                                             ValidationPlanner)
+from greyhound_bpf.diagnosis.planner import (BACKOFF_S, PERSIST_S, PLAN_HOLD_S,
+                                             RECHECK_PAUSE_S, ValidationPlanner)
 from greyhound_bpf.diagnosis.verdict import Diagnosis
 
 S = 10**9
@@ -38,6 +38,35 @@ def test_a_named_verdict_is_validated_at_once():
     assert p.consider(named(), 3 * S) == []         # one at a time: it waits
     finish(p, req, 5, 2.0, Diagnosis("validation", "unknown", "nothing slow", 10))
     assert phases(p.tick(10 * S)) == ["request"]    # then the waiting one
+
+
+def test_a_verdict_a_plan_tests_is_validated_only_if_the_plan_does_not_run_as_predicted():
+    # The plan moved work off rank 2 and the job ran as predicted: that is
+    # the answer a measurement would give; no workers, no pause.
+    p = ValidationPlanner()
+    slow(p, 0)
+    (f,) = p.consider(named(), 2 * S, plan=1)
+    assert f["phase"] == "deferred" and "plan 1" in f["reason"] and p.in_flight is None
+    assert p.tick(5 * S) == [] and p.consider(named(), 5 * S, plan=1) == []
+    (f,) = p.plan_answer(1, True, "the job ran 14.0 ms (predicted 13.5)", 6 * S)
+    assert f["phase"] == "skipped" and f["confirmed_by"] == "plan" and f["ranks"] == [2]
+    assert p.validations == 0 and p.confirmed == 1
+    # Known now, as if validated: the same verdict again is not measured.
+    (f,) = p.consider(named(), 8 * S)
+    assert f["phase"] == "skipped" and "the plan named this" in f["reason"]
+    # A plan that did not run as predicted: the verdict is validated.
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(named(), 2 * S, plan=1)
+    assert p.plan_answer(2, True, "another plan", 3 * S) == []      # not its plan
+    assert phases(p.plan_answer(1, False, "ran 20 ms (predicted 13.5)", 4 * S)) == ["request"]
+    # No answer in PLAN_HOLD_S (the plan was never applied): validated.
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(named(), 2 * S, plan=1)
+    assert p.tick(int((2 + PLAN_HOLD_S - 1) * S)) == []
+    assert phases(p.tick(int((2 + PLAN_HOLD_S + 1) * S))) == ["request"]
+    assert p.plan_answer(1, True, "too late", int((2 + PLAN_HOLD_S + 2) * S)) == []
 
 
 def test_what_validation_named_is_not_measured_again():

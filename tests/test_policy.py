@@ -126,9 +126,34 @@ def test_a_named_straggler_is_rebalanced_and_the_plan_holds_while_the_fault_last
     assert pol.straggler == 2
 
 
+def test_a_plan_that_runs_as_predicted_confirms_its_verdict():
+    # The plan is an intervention: moving work off the named rank sped the
+    # job up as predicted only if that rank was slow at computation.
+    def measured(pol, job):
+        for i in range(200):
+            run(pol, job, 1)
+            if (got := pol.plan_measured()) is not None:
+                return i, got
+        return None
+
+    job, pol, out = quota_job()
+    assert pol.plan_measured() is None                  # issued, not applied yet
+    apply(pol, job, plans(out)[0])
+    n, (ok, why) = measured(pol, job)
+    assert n >= 2 * pol.window and ok and "predicted" in why
+    # The same plan where every rank waits longer too (a slow link, say):
+    # it does not run as predicted, and the verdict is left to validation.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    job.wait_ms = 6.0
+    n, (ok, why) = measured(pol, job)
+    assert not ok
+
+
 def test_the_fault_gone_is_decided_by_a_measurement_not_by_speeds_under_the_plan():
     job, pol, out = quota_job()
     apply(pol, job, plans(out)[0])
+    pol.pause_ms = 0.1      # a validation measured a pause cheaper than any trial
     # A recheck is due a while after the plan (validation of rank 2's device).
     assert pol.recheck_due(job.now) is None
     assert pol.recheck_due(job.now + int(60e9)) == 2
@@ -434,6 +459,7 @@ def test_a_refused_recheck_becomes_a_trial():
     job, pol, out = quota_job()
     apply(pol, job, plans(out)[0])
     assert pol.trial_due(job.now + int(600e9)) == []     # validation on: rechecks first
+    pol.pause_ms = 0.1                  # a recheck is cheaper: the budget refuses it
     assert pol.recheck_due(job.now + int(60e9)) == 2
     pol.recheck_refused(job.now + int(60e9))
     job.quota.clear()
@@ -469,6 +495,15 @@ def test_a_trial_stands_in_for_a_recheck_whose_pause_costs_more():
     pol.observe(validated(job, 2, 8.0, 0.05))
     apply(pol, job, plans(out)[0])
     assert pol.recheck_due(job.now + int(60e9)) == 2
+    # No pause measured yet (a plan confirmed the verdict; no validation
+    # ran): a recheck's expected pause (1 s, its workers' start besides)
+    # against the trial's ~0.4 s of the job's time: the trial.
+    job, pol, out = quota_job()
+    apply(pol, job, plans(out)[0])
+    assert pol.pause_ms is None and pol.recheck_due(job.now + int(60e9)) is None
+    (trial,) = pol.trial_due(job.now + int(60e9))
+    assert sorted(trial.plan["microbatches"].values()) == [8, 8, 8, 8]
+    assert "recheck's pause 1000" in trial.reason
 
 
 def test_a_trial_reads_the_mean_of_a_bursty_fault_not_its_median():
@@ -477,6 +512,7 @@ def test_a_trial_reads_the_mean_of_a_bursty_fault_not_its_median():
     # 1.6x slower. The trial must see the fault still there.
     job, pol, out = quota_job()
     apply(pol, job, plans(out)[0])
+    pol.pause_ms = 0.1                  # a recheck is cheaper: the budget refuses it
     assert pol.recheck_due(job.now + int(60e9)) == 2
     pol.recheck_refused(job.now + int(60e9))
     job.bursty = 6
@@ -495,6 +531,7 @@ def test_a_trial_keeps_the_even_split_when_it_runs_faster_than_the_plan_did():
     apply(pol, job, plans(out)[0])
     run(pol, job, 100)
     pol.episode.healthy_ms = 5.0
+    pol.pause_ms = 0.1                  # a recheck is cheaper: the budget refuses it
     assert pol.recheck_due(job.now + int(60e9)) == 2
     pol.recheck_refused(job.now + int(60e9))
     job.quota.clear()
@@ -512,6 +549,7 @@ def test_a_trial_in_a_busier_moment_still_sees_the_fault_gone():
     apply(pol, job, plans(out)[0])
     job.quota.clear()
     run(pol, job, 100)
+    pol.pause_ms = 0.1                  # a recheck is cheaper: the budget refuses it
     assert pol.recheck_due(job.now + int(60e9)) == 2
     pol.recheck_refused(job.now + int(60e9))
     (trial,) = pol.trial_due(job.now + int(61e9))

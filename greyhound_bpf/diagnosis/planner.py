@@ -36,6 +36,17 @@ answers with requests (`validation` events) that the validator serves.
 - The pause budget: validation pauses the job for at most `budget` (1%) of
   wall time over any `window_s` (10 minutes). A request that would exceed
   it waits until it would not, while its reason still holds.
+- A passive verdict that a plan (`--mitigate`) already acts on by moving
+  work off the rank it names is held (`phase: deferred`) while the plan is
+  measured: the plan is itself the test, an intervention. If the job then
+  runs as the plan predicted, faster than the even split, the rank was the
+  one slow at computation (moving micro-batches cannot speed up a slow
+  link, a busy host or another rank's fault), and the measurement would
+  only say it again, at the price of starting the workers (torch imports
+  beside the running job: it ran 23 ms per iteration there against 14.5
+  after, bench_mitigation) and a pause of the whole job: `phase: skipped`,
+  and what it named counts as known. If not, or with no answer in
+  PLAN_HOLD_S, it is validated as any other.
 - One validation at a time.
 """
 from __future__ import annotations
@@ -60,6 +71,8 @@ DISAGREE_RATIO = 1.25
 EXPECTED_PAUSE_S = 3.0
 # A recheck's: two devices' GEMMs, no links.
 RECHECK_PAUSE_S = 1.0
+# A verdict a plan tests waits this long at most for the plan's answer.
+PLAN_HOLD_S = 10.0
 
 
 def _what(v: Diagnosis) -> tuple:
@@ -80,6 +93,7 @@ class _Pending:
     verdict: Diagnosis
     since_ns: int
     said: bool = False           # the deferral was reported
+    plan: int | None = None      # the seq of the plan that tests it, until it answers
 
 
 @dataclass
@@ -98,6 +112,8 @@ class ValidationPlanner:
     slow_ratio: float = 1.0                      # its size (after / before)
     named_at_ns: int | None = None               # when validation last named a cause
     known: tuple | None = None                   # what it named: (cause, ranks, link)
+    known_by: str = "validation"                 # or "the plan" (it ran as predicted)
+    confirmed: int = 0                           # verdicts a plan confirmed (no pause)
     _next_id: int = 1
     _last_pause_s: float = EXPECTED_PAUSE_S      # all the pauses of the last validation
     _pausing_s: float = 0.0                      # the one in flight's, so far
@@ -124,9 +140,10 @@ class ValidationPlanner:
         horizon = end_ns - int(2 * self.window_s * 1e9)
         self.pauses = [p for p in self.pauses if p[1] >= horizon]
 
-    def consider(self, v: Diagnosis, now_ns: int) -> list[dict]:
+    def consider(self, v: Diagnosis, now_ns: int, plan: int | None = None) -> list[dict]:
         """A passive verdict: a request or a deferral (`validation` event
-        fields), or nothing."""
+        fields), or nothing. `plan`: the seq of a plan that moves work off
+        the rank it names (held for the plan's answer: `plan_answer`)."""
         if not self.enabled or (v.details.get("below_min_ratio")
                                 and self.slow_ratio < DISAGREE_RATIO):
             return []
@@ -135,20 +152,54 @@ class ValidationPlanner:
         if (not v.named and self.named_at_ns is not None and self.slow_since_ns is not None
                 and self.named_at_ns >= self.slow_since_ns):
             return []             # validation has named this slowdown's cause already
+        held = self.pending
+        if held is not None and held.plan is not None and _what(held.verdict) == _what(v):
+            return []             # the same verdict again: still held for its plan's answer
         self.pending = _Pending(v, now_ns)
+        if plan is not None and v.cause == "computation" and v.straggler is not None \
+                and not (self.known == _what(v) and self._known_within(now_ns)):
+            self.pending.plan, self.pending.said = plan, True
+            return [{"phase": "deferred", "index": v.index,
+                     "reason": f"plan {plan} moves work off rank {v.straggler}, a test of this "
+                               "verdict: validated only if the job does not then run as the "
+                               "plan predicts"}]
         return self.tick(now_ns)
+
+    def plan_answer(self, seq: int, ran_as_predicted: bool, why: str,
+                    now_ns: int) -> list[dict]:
+        """The plan `seq` has been measured: a verdict it tests is confirmed
+        (no measurement), or validated after all."""
+        p = self.pending
+        if p is None or p.plan != seq:
+            return []
+        p.plan = None
+        if not ran_as_predicted:
+            p.said = False
+            return self.tick(now_ns)
+        self.pending = None
+        self.confirmed += 1
+        self.known, self.known_by, self.named_at_ns = _what(p.verdict), "the plan", now_ns
+        self.backoff_s, self.not_before_ns = 0.0, 0
+        return [{"phase": "skipped", "index": p.verdict.index, "confirmed_by": "plan",
+                 "cause": p.verdict.cause, "ranks": sorted(p.verdict.ranks),
+                 "reason": f"plan {seq} confirmed it: {why}; not measured"}]
 
     def tick(self, now_ns: int) -> list[dict]:
         """Ask for the pending validation once nothing holds it back."""
         p = self.pending
         if p is None or self.in_flight is not None:
             return []
+        if p.plan is not None:
+            if now_ns - p.since_ns < PLAN_HOLD_S * 1e9:
+                return []                # the plan that tests it has not answered yet
+            p.plan, p.said = None, False
         v = p.verdict
         if v.named and self.known == _what(v) and self._known_within(now_ns):
             self.pending = None
             return [{"phase": "skipped", "index": v.index,
-                     "reason": f"validation named this {(now_ns - self.named_at_ns) / 1e9:.0f} s "
-                               "ago: not measured again"}]
+                     "reason": f"{self.known_by} named this "
+                               f"{(now_ns - self.named_at_ns) / 1e9:.0f} s ago: not measured "
+                               "again"}]
         # Naming something else while a cause is known: perhaps that fault
         # seen otherwise, so held as a verdict naming nothing is.
         other = v.named and self._known_within(now_ns)
@@ -175,8 +226,9 @@ class ValidationPlanner:
         elif other and (now_ns - max(p.since_ns, self.slow_since_ns)) / 1e9 < PERSIST_S:
             # From this verdict: the known fault's own slowdown may never
             # have recovered in the detector's eyes.
-            why = (f"validation named {self._known_words()} {(now_ns - self.named_at_ns) / 1e9:.0f}"
-                   f" s ago, which can look like this: validated if it lasts {PERSIST_S:.0f} s")
+            ago = (now_ns - self.named_at_ns) / 1e9
+            why = (f"{self.known_by} named {self._known_words()} {ago:.0f} s ago, which can "
+                   f"look like this: validated if it lasts {PERSIST_S:.0f} s")
         if why is None and v.straggler is None and now_ns < self.not_before_ns:
             why = (f"the last validation named nothing: backing off "
                    f"{self.backoff_s:.0f} s")
@@ -231,6 +283,7 @@ class ValidationPlanner:
         self.in_flight = None
         self._last_pause_s = max(self._pausing_s, 0.5)
         self.known = _what(verdict) if verdict.named else None
+        self.known_by = "validation"
         if verdict.named:
             self.backoff_s, self.not_before_ns = 0.0, 0
             self.named_at_ns = now_ns
@@ -241,7 +294,7 @@ class ValidationPlanner:
     # -- state ----------------------------------------------------------------------
 
     def _known_within(self, now_ns: int) -> bool:
-        """Validation named a cause within the budget's window."""
+        """Validation (or a plan) named a cause within the budget's window."""
         return (self.known is not None and self.named_at_ns is not None
                 and now_ns - self.named_at_ns < self.window_s * 1e9)
 
