@@ -101,6 +101,16 @@ def summarize(work: Path, t: dict) -> int:
         return d, rank
     diag, named = verdict("passive")
     vdiag, vnamed = verdict("validation")
+    # Or no measurement at all: the plan made on the passive verdict ran as
+    # it predicted, which only the named rank's slow compute explains
+    # (diagnosis.planner), so the job was not paused to measure it.
+    confirmed = first(evs, lambda e: e["kind"] == "validation" and e["time_ns"] > inj
+                      and e.get("confirmed_by") == "plan")
+    if vdiag is None and confirmed is not None:
+        vdiag = {**confirmed, "evidence": "the plan ran as predicted, no pause"}
+        if confirmed.get("cause") == "computation" and len(confirmed.get("ranks") or []) == 1:
+            vnamed = confirmed["ranks"][0]
+    by_plan = vdiag is not None and vdiag.get("confirmed_by") == "plan"
 
     def ms(lo, hi):
         v, n = median_dur(truth, lo, hi)
@@ -130,7 +140,9 @@ def summarize(work: Path, t: dict) -> int:
     for d, who in ((diag, named), (vdiag, vnamed)):
         paused = (f", job paused {d['details']['paused_s']:.1f} s"
                   if d and "paused_s" in d.get("details", {}) else "")
-        miles.add_row("diagnosis" if d is diag else "validated diagnosis", s(d, inj),
+        label = "diagnosis" if d is diag else (
+            "confirmed by the plan" if by_plan else "validated diagnosis")
+        miles.add_row(label, s(d, inj),
                       "" if not d else
                       f"{d['cause']}" + ("" if who is None else f", rank {who}"
                                          f"{' (correct)' if who == SLOW_RANK else ' (WRONG)'}")
@@ -145,7 +157,7 @@ def summarize(work: Path, t: dict) -> int:
     con = Console()
     con.print(phases)
     con.print(miles)
-    # The validated verdict must name rank 2; the passive one names it too,
+    # The validated (or confirmed) verdict must name rank 2; the passive one names it too,
     # or says `unknown` when a busy moment of this shared host blurs the
     # timing (never a wrong rank or cause).
     passive_ok = bool(diag) and (named == SLOW_RANK or diag["cause"] == "unknown")
@@ -158,6 +170,7 @@ def summarize(work: Path, t: dict) -> int:
     print(f"demo: {'story complete' if ok else 'story INCOMPLETE'}: detection "
           f"{'yes' if slow else 'no'}, diagnosis {passive}"
           f", validated {'rank ' + str(vnamed) if vnamed is not None else 'no'}"
+          f"{' (confirmed by the plan)' if by_plan else ''}"
           f", rebalance {'yes' if applied else 'no'}, recovery {'yes' if even_applied else 'no'}"
           f" (events and logs in {work})", flush=True)
     # The post-mortem page: what `greyhound-trace report` writes.

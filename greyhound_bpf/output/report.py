@@ -340,6 +340,13 @@ def render(events: list[dict], source: str = "") -> str:
         parts += [f"<h2>Validation at {(v['time_ns'] - t0) / 1e9:.1f} s: "
                   f"{html.escape(v['reason'])}</h2>",
                   f'<div class="figure" id="validation-{i}">{fig_validation(v)}</div>']
+    # Verdicts a plan confirmed by running as it predicted: not measured.
+    for v in [e for e in events if e["kind"] == "validation"
+              and e.get("confirmed_by") == "plan"][-3:]:
+        parts += [f'<h2 class="confirmed">Confirmed by a plan at {(v["time_ns"] - t0) / 1e9:.1f}'
+                  f" s: {html.escape(str(v.get('cause')))} rank(s) "
+                  f"{html.escape(str(v.get('ranks')))}</h2>",
+                  f'<p class="note">{html.escape(v["reason"])}</p>']
     parts += ["<h2>Plans, and the time lost and recovered</h2>",
               f'<div class="figure" id="plans">{fig_plans(events, t0, eps)}</div>']
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'>"
