@@ -139,6 +139,7 @@ class AnalysisConfig:
     validate: bool = True
     pause_budget: float = PAUSE_BUDGET
     mitigate: bool = False                  # plans go to the control file (else advised)
+    plan_tests: bool = True                 # a plan run as predicted confirms its verdict
     first_seq: int = 1                      # the control file's next plan number
     microbatches: int | None = None
     restart_estimate_s: float = RESTART_ESTIMATE_S
@@ -419,7 +420,8 @@ class JobAnalysis:
             out += acts
             if v.evidence == "passive":
                 # A plan made on this verdict tests it (diagnosis.planner).
-                plan = next((a["seq"] for a in acts if a["kind"] == "action"
+                plan = next((a["seq"] for a in acts if self.config.plan_tests
+                             and a["kind"] == "action"
                              and a.get("seq") is not None
                              and a.get("strategy") == "rebalance_microbatches"), None)
                 out += self._validation_events(self.planner.consider(v, t_ns, plan), t_ns)

@@ -77,6 +77,7 @@ class AttachOptions:
     validate: bool = True           # benchmark devices and links after a job slowdown
     pause_max_s: float = PAUSE_MAX_S
     pause_budget: float = PAUSE_BUDGET
+    always_validate: bool = False   # even a verdict its plan confirmed (AnalysisConfig)
     timestamps: bool = False        # -T: wall-clock time on every text line
     cluster: object | None = None   # cluster.cli.AgentSetup: publish to the job's controller
 
@@ -98,9 +99,8 @@ class AttachSession:
         self.job = opts.job or self._default_job()
         self.stop_reason: str | None = None
         self.lost_reported = 0
-        # The analysis clock: the kernel's CLOCK_MONOTONIC (record times)
-        # shifted to the wall clock once, so that a step of the wall clock
-        # mid-run moves no duration.
+        # The analysis clock: the kernel's CLOCK_MONOTONIC (record times) shifted to the
+        # wall clock once, so that a step of the wall clock mid-run moves no duration.
         self.mono_to_wall = time.time_ns() - time.monotonic_ns()
         self.control = None
         if opts.mitigate and not opts.control_file:
@@ -122,8 +122,8 @@ class AttachSession:
                 self.say(f"another greyhound-trace{f' (pid {holder})' if holder else ''} "
                          f"writes plans to {opts.control_file}: advising only")
         config = AnalysisConfig(
-            threshold=opts.threshold, min_probability=opts.min_probability,
-            validate=opts.validate, pause_budget=opts.pause_budget, mitigate=mitigate,
+            threshold=opts.threshold, min_probability=opts.min_probability, validate=opts.validate,
+            pause_budget=opts.pause_budget, mitigate=mitigate, plan_tests=not opts.always_validate,
             first_seq=(self.control.seq + 1) if self.control else 1,
             microbatches=opts.microbatches, restart_estimate_s=opts.restart_estimate_s)
         self.analysis = JobAnalysis(self.catalog, self.job, config)

@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--pause-budget", type=T.fraction, default=PAUSE_BUDGET, metavar="F",
                    help="most of any 10 minutes validation may keep the job paused "
                         f"(default {PAUSE_BUDGET:g}: 1%%)")
+    a.add_argument("--always-validate", action="store_true",
+                   help="with --mitigate, validate a verdict even when the plan made on it "
+                        "ran as predicted (by default that confirms it: no pause)")
 
     m = a.add_argument_group("mitigation (advise only unless --mitigate)")
     m.add_argument("--control-file", metavar="PATH",
@@ -307,6 +310,7 @@ def cmd_attach(args) -> int:
         metrics_tls=tls,
         timestamps=args.timestamp, validate=not args.no_validate,
         pause_max_s=args.pause_max, pause_budget=args.pause_budget, cluster=agent,
+        always_validate=args.always_validate,
         tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:
         raise GreyhoundError("--microbatches must be at least 1")

@@ -140,6 +140,9 @@ def add_controller_parser(sub, output_args, positive) -> None:
     c.add_argument("--mitigate", action="store_true",
                    help="publish plans for the agents to write to their control files "
                         "(else advise only)")
+    c.add_argument("--always-validate", action="store_true",
+                   help="validate a verdict even when the plan made on it ran as predicted "
+                        "(by default that confirms it: no pause)")
     c.add_argument("--microbatches", type=int, metavar="M",
                    help="the global batch in micro-batches (else from the trainers' acks)")
     c.add_argument("--restart-cost", type=positive, default=60.0, metavar="S",
@@ -180,7 +183,8 @@ def cmd_controller(args, json_target) -> int:
             print(line + nodes, file=text, flush=True)
 
     config = AnalysisConfig(validate=not args.no_validate, mitigate=args.mitigate,
-                            microbatches=args.microbatches, restart_estimate_s=args.restart_cost)
+                            microbatches=args.microbatches, restart_estimate_s=args.restart_cost,
+                            plan_tests=not args.always_validate)
     catalog = load_catalog()
     analysis = JobAnalysis(catalog, job, config)    # (seconds of imports: before leading)
     recorder = None
