@@ -191,7 +191,6 @@ class JobAnalysis:
         self.now_ns = 0
         self.plan: _PlanInFlight | None = None      # issued, waiting for every rank's ack
         self.outcome_due: _PlanInFlight | None = None
-        self.testing: int | None = None              # a plan a held verdict waits on
         self.acks_seen: dict = {}
         self.diagnoses: list[Diagnosis] = []        # every verdict, in order
         self.recovered_ns = 0                        # the job's last recovery
@@ -425,8 +424,6 @@ class JobAnalysis:
                              and a.get("seq") is not None
                              and a.get("strategy") == "rebalance_microbatches"), None)
                 out += self._validation_events(self.planner.consider(v, t_ns, plan), t_ns)
-                if plan is not None and getattr(self.planner.pending, "plan", None) == plan:
-                    self.testing = plan
         return out
 
     def _said_already(self, v: Diagnosis, t_ns: int) -> bool:
@@ -482,12 +479,10 @@ class JobAnalysis:
             out.append(self._event("action", t, phase="outcome", seq=due.seq,
                                    strategy=due.strategy, expected_ms=due.expected_ms,
                                    achieved_ms=round(pol.recent_job_ms(), 3)))
-        if self.testing is not None and ev["kind"] == "iteration" and self.plan is None:
-            if getattr(self.planner.pending, "plan", None) != self.testing:
-                self.testing = None              # held no longer (it waited PLAN_HOLD_S)
-            elif (answer := pol.plan_measured()) is not None:
-                seq, self.testing = self.testing, None
-                out += self._validation_events(self.planner.plan_answer(seq, *answer, t), t)
+        seq = self.planner.held_for()
+        if seq is not None and ev["kind"] == "iteration" and self.plan is None \
+                and (answer := pol.plan_measured()) is not None:
+            out += self._validation_events(self.planner.plan_answer(seq, *answer, t), t)
         return out
 
     def _actions(self, decisions, t: int) -> list[dict]:

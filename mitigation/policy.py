@@ -434,15 +434,15 @@ class SkiRentalPolicy(FaultGone):
         return self._rebalance()
 
     def plan_measured(self) -> tuple[bool, str] | None:
-        """Does the plan in force confirm its verdict (diagnosis.planner)?
-        Right, the job runs as predicted; wrong, at the even split's speed in
-        the fault (moving work off the named rank helps nothing): yes when
-        nearer the first, and `min_gain` faster. None until measured over 2
-        windows and trial_min_s, a "no" once a refinement was looked for."""
-        e, got = self.episode, self.recent_job_ms()
+        """Does the plan in force confirm its verdict (diagnosis.planner)? Right, the
+        job runs as predicted; wrong, at the even split's speed in the fault: yes when
+        nearer the first, and `min_gain` faster. None until measured over 2 windows
+        and trial_min_s, a "no" once a refinement was looked for."""
+        e = self.episode
         if (e is None or self.planned is not None or e.plan_ms is None or not e.even_ms
-                or self._is_even() or got is None or self.since_plan < 2 * self.window
-                or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())):
+                or self.since_plan < 2 * self.window or self._is_even()
+                or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
+                or (got := self.recent_job_ms()) is None):
             return None
         ok = got <= min((e.plan_ms + e.even_ms) / 2, e.even_ms * (1 - self.min_gain))
         if not ok and self.since_plan % self.window:

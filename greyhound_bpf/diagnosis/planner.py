@@ -166,15 +166,18 @@ class ValidationPlanner:
                                "split's speed than the plan's"}]
         return self.tick(now_ns)
 
-    def plan_answer(self, seq: int, ran_as_predicted: bool, why: str,
-                    now_ns: int) -> list[dict]:
+    def held_for(self) -> int | None:
+        """The seq of the plan whose answer the pending verdict waits for."""
+        return self.pending.plan if self.pending is not None else None
+
+    def plan_answer(self, seq: int, confirms: bool, why: str, now_ns: int) -> list[dict]:
         """The plan `seq` has been measured: a verdict it tests is confirmed
         (no measurement), or validated after all."""
         p = self.pending
         if p is None or p.plan != seq:
             return []
         p.plan = None
-        if not ran_as_predicted:
+        if not confirms:
             p.said = False
             return self.tick(now_ns)
         self.pending = None
