@@ -4,7 +4,6 @@ Plain data; mitigation.policy decides."""
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -39,7 +38,7 @@ class Rank:
             return 0
         return self.end_ns[-1] - self.end_ns[start] + int(self.dur_ms[start] * 1e6)
 
-    def per_microbatch(self, start: int = 0, stop: int | None = None) -> float | None:
+    def per_microbatch(self, start: int = 0) -> float | None:
         """Compute per micro-batch over the samples from `start`: their total
         over their micro-batches, a mean. A CFS quota makes a throttled
         rank's iterations fast or stalled for the rest of its 100 ms
@@ -47,20 +46,8 @@ class Rank:
         while the job runs at its throughput (bench_mitigation: a median of
         12.9 ms where the trainer's own log read 15.5). On a slow GPU the
         mean and the median agree."""
-        pairs = [(c, n) for c, n in islice(zip(self.compute_ms, self.count), start, stop) if n]
+        pairs = [(c, n) for c, n in islice(zip(self.compute_ms, self.count), start, None) if n]
         return sum(c for c, _ in pairs) / sum(n for _, n in pairs) if pairs else None
-
-    def rising(self, start: int, factor: float) -> bool:
-        """Does the later half (in time) of the samples from `start` take
-        `factor` times the earlier half's compute per micro-batch? Then they
-        straddle a change (an episode a busy moment opened before the fault
-        began), and their mean is neither speed."""
-        if len(self.end_ns) - start < 4:
-            return False
-        mid = bisect.bisect_left(self.end_ns, (self.end_ns[start] + self.end_ns[-1]) // 2,
-                                 lo=start)
-        older, newer = self.per_microbatch(start, mid), self.per_microbatch(mid)
-        return bool(older and newer and newer > factor * older)
 
     def mean_ms(self, start: int = 0) -> float | None:
         """The mean iteration over the samples from `start` (as above)."""
@@ -89,25 +76,6 @@ class Episode:
     trial: dict | None = None            # a trial return to even in progress
     trial_due_ns: int | None = None      # a recheck was refused: a trial instead
     restart_considered: bool = False
-    rising_from_ns: int | None = None    # the straggler's speed seen still changing
-
-    def rising_wait(self, rising: bool, now_ns: int, span_ns: int) -> bool:
-        """Hold the first plan while the straggler's speed still changes
-        (Rank.rising), `span_ns` at most: then the speeds are the fault's."""
-        if not rising:
-            return False
-        self.rising_from_ns = self.rising_from_ns or now_ns
-        return now_ns - self.rising_from_ns < span_ns
-
-
-def healthy_estimate(straggler: int | None, comp: dict, job_ms: float | None) -> float | None:
-    """The iteration time a job already slow at attach would have if the
-    straggler computed as fast as the others (comp: dp rank -> its median
-    compute)."""
-    if straggler not in comp or len(comp) < 2 or job_ms is None:
-        return None
-    others = statistics.median(v for k, v in comp.items() if k != straggler)
-    return max(job_ms - max(0.0, comp[straggler] - others), 1e-3)
 
 
 def two_split_lines(order: list, t: dict, split: dict, at_even: dict) -> tuple[list, list]:

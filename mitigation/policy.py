@@ -17,9 +17,8 @@ attach, a fault the job-level detector missed). Within it:
 2. **How fast.** Each rank's compute per micro-batch (compute time over the
    micro-batches it ran), a mean over the last SPEED_SPAN_S of the episode's
    samples taken under the split in force (a CFS quota's bursts: the median
-   reads the fast iterations), once the straggler's speed no longer changes
-   within them (Rank.rising; SPEED_SPAN_S at most). The straggler must
-   measure slower than the others' median by MIN_SLOWER; where host-side compute cannot show it (GPUs: NCCL
+   reads the fast iterations). The straggler must measure slower than the others'
+   median by MIN_SLOWER; where host-side compute cannot show it (GPUs: NCCL
    is asynchronous) but validation measured its device slow, its speed is
    the others' times its measured GEMM ratio.
 3. **When (ski rental).** The *loss* is the time the episode has cost, the
@@ -69,7 +68,7 @@ from greyhound_bpf.events import is_speed_sample
 from .episode import RECHECK_AFTER_S
 from .episode import Episode as _Episode
 from .episode import Rank as _Rank
-from .episode import healthy_estimate, two_split_lines
+from .episode import two_split_lines
 from .gone import RECOVERED, TRIAL_MIN_S, FaultGone
 from .rebalance import RebalanceError, even_split, solve
 from .restart import Decision, restart_decision
@@ -362,10 +361,19 @@ class SkiRentalPolicy(FaultGone):
         return []
 
     def _healthy_estimate(self) -> float | None:
-        """Without a slowdown to measure against (the job was already slow)."""
+        """Without a slowdown to measure against (the job was already slow):
+        the iteration time it would have if the straggler computed as fast
+        as the others."""
+        e = self.episode
+        if e is None or e.straggler is None:
+            return None
         comp = {self._dp(rank): statistics.median(r.compute_ms)
                 for rank, r in self.ranks.items() if r.compute_ms}
-        return healthy_estimate(self.episode.straggler, comp, self.recent_job_ms())
+        job = self.recent_job_ms()
+        if e.straggler not in comp or len(comp) < 2 or job is None:
+            return None
+        others = statistics.median(v for k, v in comp.items() if k != e.straggler)
+        return max(job - max(0.0, comp[e.straggler] - others), 1e-3)
 
     def _full(self, n: int) -> bool:
         return bool(self.ranks) and all(len(r.compute_ms) >= n for r in self.ranks.values())
@@ -470,10 +478,6 @@ class SkiRentalPolicy(FaultGone):
         if t is None:
             return []                        # not every rank measured yet
         s = e.straggler
-        r = next((r for k, r in self.ranks.items() if self._dp(k) == s), None)
-        if not e.changes and r is not None and e.rising_wait(
-                r.rising(self._recent(r), 1 + 2 * MIN_SLOWER), self._now_ns, self.speed_span_ns):
-            return []                        # a plan from the fault's own speeds, not a mix
         others = statistics.median(v for k, v in t.items() if k != s)
         if t[s] < others * (1 + MIN_SLOWER):
             if e.gemm_ratio is not None and e.gemm_ratio > 1 + MIN_SLOWER and not e.changes:

@@ -248,9 +248,7 @@ def test_a_plan_always_takes_work_off_the_named_rank():
     assert [d.strategy for d in out] == ["none", "none"], [d.reason for d in out]
     assert "take no work off it" in out[-1].reason
     job.t[0], job.t[2] = 1.0, 3.0
-    # (Rank 2's speed changed just now: the plan waits for speeds that are
-    # all of the new one, SPEED_SPAN_S at most.)
-    (p,) = plans(run(pol, job, 120))
+    (p,) = plans(run(pol, job, 40))
     assert p.plan["microbatches"][2] < 8 and "dp rank 2" in p.reason
 
 
@@ -659,29 +657,3 @@ def test_a_refinement_counts_each_ranks_fixed_time_from_two_splits():
                 if sum(c) == 32), key=iteration)
     assert got == pytest.approx(iteration(best))
     assert max(job.split.values()) - min(n for r, n in job.split.items() if r != 2) <= 1
-
-
-def test_an_episode_a_busy_moment_opened_plans_from_the_faults_own_speeds():
-    # bench_mitigation, one round: the host slowed every rank 1.5 s before
-    # the fault, so the episode began there, and the speeds of its first
-    # plan mixed rank 2's healthy micro-batches with its throttled ones
-    # (9:7 where the sweep's best was 14:2; with two changes used the plan
-    # stayed poor). The plan now waits until rank 2's recent speed no longer
-    # changes, and takes work off it as its throttled speed says.
-    job = Job([1.0] * 4)
-    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, speed_span_s=0.3)
-    pol.acks(job.acks())
-    run(pol, job, 20)
-    job.t = [1.3] * 4                                   # a busy host: every rank
-    out = run(pol, job, 4)
-    out += pol.observe(slowdown(job, 10.0, 12.4, 20, 24))
-    out += run(pol, job, 16)
-    job.t = [1.0] * 4
-    job.quota[2] = (5, 2.0)                             # the fault
-    out += run(pol, job, 3)
-    out += pol.observe(verdict(job, [2]))
-    out += run(pol, job, 60)
-    (p,) = plans(out)
-    # Its throttled speed (2.0 ms per micro-batch: 5 of 32), not the mix's
-    # (7 of 32, where it stays over its quota).
-    assert p.plan["microbatches"][2] <= 5, (p.plan, p.reason)
