@@ -55,8 +55,8 @@ def say(msg: str) -> None:
 
 
 def trainer_args(sc: dict, ctl: Path | None) -> list[str]:
-    args = list(DEMO_ARGS) if sc["trainer"] == "demo" else [
-        "--workers", str(sc.get("workers", 2))]
+    args = (list(DEMO_ARGS) if sc["trainer"] == "demo" else
+            ["--workers", str(sc.get("workers", 2))] if sc["trainer"] == "user" else [])
     if ctl is not None:
         args += ["--control-file", str(ctl)]
     return args + [str(a) for a in sc.get("args", [])]

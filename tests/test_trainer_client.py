@@ -1,7 +1,9 @@
 """mitigation.distributed on real gloo DDP jobs: ranks that read a plan at
 different steps still apply it at the same step, the global batch holds at
 every step, the parameters stay identical on every rank, and the three
-examples (plain PyTorch, Accelerate, Megatron-style) follow a plan."""
+examples (plain PyTorch, Accelerate, Megatron-style) follow a plan; the
+corpus's held-out job shapes (examples/fsdp_gloo.py, transformer_accum.py)
+run."""
 from __future__ import annotations
 
 import subprocess
@@ -187,3 +189,18 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
     s = gh.step()
     assert s.restart is None and s.plan.seq == 1 and s.microbatches == 2
     assert not (tmp_path / "ctl.json.restart").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum"])
+def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
+    """The corpus's held-out job shapes (FSDP2; no_sync accumulation) stay
+    runnable: 2 ranks, 6 steps each, every iteration in the truth log."""
+    truth = tmp_path / "truth.jsonl"
+    proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "6",
+                    "--truth", str(truth))
+    assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
+    rows = read_jsonl(truth)
+    its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
+    assert its == [(r, i) for r in range(2) for i in range(6)]
+    assert sorted(d["rank"] for d in rows if d.get("final")) == [0, 1]
