@@ -48,8 +48,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import (GREYHOUND, DDPJob, JsonlTail, Timeout, cpu_seconds, kill_tree,  # noqa: E402
-                     wait_for)
+from harness import (GREYHOUND, TRAINERS, DDPJob, JsonlTail, Timeout, cpu_seconds,  # noqa: E402
+                     kill_tree, wait_for)
 
 WINDOW_S = 2.0
 BASELINE_S = 6.0
@@ -178,7 +178,8 @@ def main(argv=None) -> int:
                                 "  sudo scripts/bench_attach --cycles 10 --observe 20",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cycles", type=int, default=6, help="cycles of each kind")
-    p.add_argument("--trainer", choices=("user", "demo"), default="user")
+    p.add_argument("--trainer", choices=sorted(TRAINERS), default="user",
+                   help="the job: user (default), demo, or a held-out shape (fsdp, accum)")
     p.add_argument("--nproc", type=int, default=3)
     p.add_argument("--warm", type=float, default=15.0, help="seconds of job before the first")
     p.add_argument("--observe", type=float, default=16.0, help="seconds observed after t0")
