@@ -55,6 +55,15 @@ def file_vaddr(path: str, file_offset: int) -> int | None:
     return None
 
 
+def vaddr_offset(path: str, vaddr: int) -> int | None:
+    """The file offset of an ELF virtual address (file_vaddr's inverse), or
+    None if no loaded segment holds it."""
+    for off, va, size in _segments(path):
+        if va <= vaddr < va + size:
+            return vaddr - va + off
+    return None
+
+
 _FUNCTION_TYPES = {"STT_FUNC", "STT_GNU_IFUNC", "STT_LOOS"}   # pyelftools names IFUNC STT_LOOS
 
 
