@@ -340,6 +340,17 @@ def mitigating_healthy(start_tracer, root: int, n: int, control: Path, healthy_s
     return ranks, t
 
 
+def named(t: "Tracer", since_ns: int = 0) -> list[dict]:
+    """The tracer's diagnoses that name a cause, from `since_ns` on."""
+    return [e for e in t.events("diagnosis") if e["cause"] != "unknown"
+            and e["time_ns"] >= since_ns]
+
+
+def wrong(verdicts: list[dict], rank: int) -> list[dict]:
+    """Verdicts other than "rank `rank` is slow at computation"."""
+    return [e for e in verdicts if not (e["cause"] == "computation" and e["ranks"] == [rank])]
+
+
 def unconfirmed_slowdowns(events: list[dict], truth: list[dict], lo_ns: int = 0,
                           hi_ns: int = 1 << 62) -> list[dict]:
     """Job slowdowns with their onset in [lo, hi) that the job's own log

@@ -18,18 +18,9 @@ import pytest
 
 from conftest import wait_for
 from greyhound_bpf.inject import CpuQuota
-from harness import cpu_share, unconfirmed_slowdowns
+from harness import cpu_share, named, unconfirmed_slowdowns, wrong
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
-
-
-def named(t, since_ns=0):
-    return [e for e in t.events("diagnosis") if e["cause"] != "unknown"
-            and e["time_ns"] >= since_ns]
-
-
-def wrong(verdicts, rank):
-    return [e for e in verdicts if not (e["cause"] == "computation" and e["ranks"] == [rank])]
 
 
 def test_already_slow_then_a_fault_right_after_attach(ddp_job, tracer):

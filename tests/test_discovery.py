@@ -173,3 +173,74 @@ def _forked_workers(p, procs):
     procs.append(q)
     new, _, _ = Discovery([q.pid], CAT).scan()
     assert [t.pid for t in new] == [q.pid]
+
+
+# mp.spawn's shape (PyTorch's DDP tutorial): a script with no rank in its
+# environment starts three "spawn" children in order, each told its rank as an
+# argument; rank 1 has a forked DataLoader-style worker and a spawned one
+# (DataLoader(multiprocessing_context="spawn")). Python's own spawn machinery,
+# the same that torch.multiprocessing.spawn calls.
+SPAWNING = textwrap.dedent("""
+    import ctypes, multiprocessing as mp, os, sys, time
+
+    def sleeper(lib):
+        ctypes.CDLL(lib)
+        time.sleep(60)
+
+    def rank(i, lib, q):
+        ctypes.CDLL(lib)
+        workers = []
+        if i == 1:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            w = mp.get_context("spawn").Process(target=sleeper, args=(lib,))
+            w.start()
+            workers = [pid, w.pid]
+        q.put((i, os.getpid(), workers))
+        time.sleep(60)
+
+    if __name__ == "__main__":
+        lib = sys.argv[1]
+        ctypes.CDLL(lib)                        # the script imports torch too
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ps = [ctx.Process(target=rank, args=(i, lib, q)) for i in range(3)]
+        for p in ps:
+            p.start()
+        got = sorted(q.get() for _ in ps)
+        time.sleep(1.0)                         # the spawned worker's library mapped
+        print(" ".join(f"{i}:{pid}:{','.join(map(str, w))}" for i, pid, w in got), flush=True)
+        time.sleep(60)
+""")
+
+
+def test_mp_spawn_children_are_ranks_in_start_order(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(SPAWNING)
+    p = subprocess.Popen([sys.executable, str(script), nccl_lib()], stdout=subprocess.PIPE,
+                         text=True, env={k: v for k, v in os.environ.items()
+                                         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    try:
+        line = p.stdout.readline().split()
+        assert len(line) == 3, line
+        pid_of, workers = {}, []
+        for item in line:
+            i, pid, w = item.split(":")
+            pid_of[int(i)] = int(pid)
+            workers += [int(x) for x in w.split(",") if x]
+        assert len(workers) == 2
+        d = Discovery([p.pid], CAT)
+        new, _, _ = d.scan()
+        # The script is their launcher, not a rank; each child is the rank it
+        # was told, once; rank 1's workers are its subprocesses.
+        got = {t.pid: (t.rank, t.local_rank, t.world_size, t.rank_from) for t in new}
+        assert got == {pid_of[i]: (i, i, 3, "spawn order") for i in range(3)}
+        assert {w: d.subprocesses.get(w) for w in workers} == {w: pid_of[1] for w in workers}
+        assert d.scan() == ([], [], [])
+        # One rank named on its own still gets its place among its siblings.
+        new, _, _ = Discovery([pid_of[2]], CAT).scan()
+        assert [(t.pid, t.rank, t.world_size) for t in new] == [(pid_of[2], 2, 3)]
+    finally:
+        kill_tree(p)

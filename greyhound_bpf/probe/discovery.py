@@ -1,11 +1,21 @@
 """Target discovery: from the PIDs a user names to the ranks we probe.
 
-A PID may be a rank or a launcher (torchrun, mpirun, srun, a shell script).
-Every scan walks the process tree under the roots, reads each process's
-/proc/PID/maps for probed libraries and its environment for the rank, and
-reports processes that appeared or exited since the last scan. Paths are
-resolved through /proc/PID/root, so a rank inside a container is probed on
-the library it really mapped.
+A PID may be a rank or a launcher (torchrun, mpirun, srun, a shell script,
+or a script that calls torch.multiprocessing.spawn). Every scan walks the
+process tree under the roots, reads each process's /proc/PID/maps for
+probed libraries and its environment for the rank, and reports processes
+that appeared or exited since the last scan. Paths are resolved through
+/proc/PID/root, so a rank inside a container is probed on the library it
+really mapped.
+
+`mp.spawn` (the PyTorch DDP tutorial's launcher) puts no rank in any
+environment: it passes the rank to each child as an argument, and starts
+child i before child i+1. Its children are Python's spawn children (their
+command line ends in `--multiprocessing-fork`), so they are told apart from
+a rank's forked workers by that, and numbered in the order they started
+(`rank_from: "spawn order"`). A launcher that starts its ranks out of rank
+order, and tells them their rank only as an argument, would be numbered
+wrongly: nothing outside the process says otherwise.
 """
 from __future__ import annotations
 
@@ -24,6 +34,11 @@ WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTAS
 # but run no collectives, so they are not ranks.
 LAUNCHER_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch",
                     "mpirun", "mpiexec", "srun", "deepspeed")
+
+# The last argument of a child that Python's multiprocessing started with the
+# "spawn" method (multiprocessing.spawn.get_command_line): mp.spawn's ranks,
+# and a DataLoader's workers when their context is "spawn".
+SPAWN_CHILD_ARG = b"--multiprocessing-fork"
 
 
 @dataclass(frozen=True)
@@ -44,10 +59,13 @@ class Target:
     local_rank: int | None
     world_size: int | None
     libraries: dict[str, MappedLib] = field(default_factory=dict)
+    # Where the rank came from: "environment" (RANK and its kin), "spawn
+    # order" (an mp.spawn child, numbered as it started), or None (no rank).
+    rank_from: str | None = None
 
     def describe(self) -> dict:
         return {"pid": self.pid, "rank": self.rank, "local_rank": self.local_rank,
-                "world_size": self.world_size, "comm": self.comm,
+                "world_size": self.world_size, "comm": self.comm, "rank_from": self.rank_from,
                 "libraries": {f: m.path for f, m in sorted(self.libraries.items())}}
 
 
@@ -168,15 +186,26 @@ def rank_identity(pid: int) -> tuple[int | None, int | None, int | None]:
             _first_int(env, WORLD_SIZE_VARS))
 
 
-def is_launcher(pid: int) -> bool:
+def read_argv(pid: int) -> list[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = fh.read().split(b"\0")
+            return fh.read().rstrip(b"\0").split(b"\0")
     except OSError:
-        return False
+        return []
+
+
+def is_launcher(pid: int) -> bool:
+    argv = read_argv(pid)
     # Only the program and the module (`python -m torch.distributed.run`).
     head = b" ".join(argv[:3]).decode("utf-8", "replace")
     return any(m in head for m in LAUNCHER_MARKERS)
+
+
+def is_spawn_child(pid: int) -> bool:
+    """Started by Python's multiprocessing with the "spawn" method (a new
+    interpreter, not a fork of its parent)."""
+    argv = read_argv(pid)
+    return bool(argv) and argv[-1] == SPAWN_CHILD_ARG
 
 
 class Discovery:
@@ -193,6 +222,12 @@ class Discovery:
     listed in ``subprocesses`` (pid -> the rank's pid), not probed: its
     calls would interleave with the rank's, and such workers come and go
     with every epoch.
+
+    Without a rank in the environment, sharing it means nothing, so spawn
+    children (module docstring) decide: one under a rank is that rank's
+    subprocess (a "spawn" DataLoader worker); the others are ranks, numbered
+    per parent in the order they started, and a parent with no rank of its
+    own that spawned them is their launcher (mp.spawn's script).
     """
 
     # Every how many scans a known target's maps are read again for a library
@@ -210,6 +245,10 @@ class Discovery:
         self._launchers: dict[int, int] = {}    # pid -> start time: seen, never a rank
         self.subprocesses: dict[int, int] = {}  # pid -> pid of the rank it belongs to
         self.new_subprocesses: list[tuple[int, int]] = []   # found by the last scan
+        # Spawn children seen, by (pid, start time): True or False, read once.
+        self._spawned: dict[tuple[int, int], bool] = {}
+        # Per launching parent pid: its spawn-child ranks in start order.
+        self._spawn_order: dict[int, list[tuple[int, int]]] = {}
 
     def roots_alive(self) -> bool:
         return any(pid_alive(p) for p in self.roots)
@@ -229,7 +268,11 @@ class Discovery:
         identity: dict[int, tuple] = {}
         self._scans += 1
         recheck = self._scans % self.RECHECK_EVERY == 0
-        for pid in self.tree:
+        spawned = self._spawn_children(stats)
+        spawn_parents = {stats[p].ppid for p in spawned}
+        # Parents before children (start order): a spawn child's rank, and
+        # whether a worker's parent is a rank, are known when it is reached.
+        for pid in sorted(self.tree, key=lambda p: (stats[p].start_time, p)):
             if pid == os.getpid():
                 continue
             if self._launchers.get(pid) == stats[pid].start_time:
@@ -249,20 +292,68 @@ class Discovery:
             if not libs:
                 continue
             self.libraries_seen = True
-            if is_launcher(pid):
+            rank, local_rank, world = rank_identity(pid)
+            no_identity = rank is None and world is None
+            if is_launcher(pid) or (no_identity and pid in spawn_parents
+                                    and pid not in spawned):
                 self._launchers[pid] = stats[pid].start_time
                 continue
-            rank, local_rank, world = rank_identity(pid)
-            owner = self._rank_above(pid, (rank, world), stats, identity)
+            rank_from = "environment" if rank is not None else None
+            if no_identity and pid in spawned:
+                owner = self._target_rank_above(pid, stats)
+                if owner is None:
+                    rank, world = self._spawn_rank(pid, stats)
+                    local_rank, rank_from = rank, "spawn order"
+            else:
+                owner = self._rank_above(pid, (rank, world), stats, identity)
             if owner is not None:
                 self.subprocesses[pid] = owner
                 self.new_subprocesses.append((pid, owner))
                 continue
             st = stats[pid]
-            t = Target(pid, st.start_time, st.comm, rank, local_rank, world, libs)
+            t = Target(pid, st.start_time, st.comm, rank, local_rank, world, libs, rank_from)
             self.targets[pid] = t
             new.append(t)
         return new, exited, grown
+
+    def _is_spawned(self, pid: int, stats: dict[int, ProcStat]) -> bool:
+        key = (pid, stats[pid].start_time)
+        if key not in self._spawned:
+            self._spawned[key] = is_spawn_child(pid)       # its command line, read once
+        return self._spawned[key]
+
+    def _spawn_children(self, stats: dict[int, ProcStat]) -> set[int]:
+        """The spawn children in the tree."""
+        out = {pid for pid in self.tree if self._is_spawned(pid, stats)}
+        self._spawned = {k: v for k, v in self._spawned.items()
+                         if k[0] in stats and stats[k[0]].start_time == k[1]}
+        return out
+
+    def _spawn_rank(self, pid: int, stats: dict[int, ProcStat]) -> tuple[int, int]:
+        """(rank, world) of a spawn child with no rank of its own: its place
+        among its parent's spawn children by start, and how many there are
+        (mp.spawn starts child i before i+1 and waits for none). Siblings
+        outside the tree count too: a user may name one rank's PID."""
+        parent = stats[pid].ppid
+        order = self._spawn_order.setdefault(parent, [])
+        siblings = sorted((st.start_time, p) for p, st in stats.items()
+                          if st.ppid == parent and self._is_spawned(p, stats))
+        for s in siblings:
+            if s not in order:
+                order.append(s)
+        return order.index((stats[pid].start_time, pid)), len(order)
+
+    def _target_rank_above(self, pid: int, stats: dict[int, ProcStat]) -> int | None:
+        """The nearest ancestor under the roots that is a rank we probe."""
+        tree, p = set(self.tree), stats[pid].ppid
+        while p in stats and p in tree:
+            t = self.targets.get(p)
+            if t is not None and t.rank is not None:
+                return p
+            if p in self.roots:
+                break
+            p = stats[p].ppid
+        return None
 
     def _rank_above(self, pid: int, ident: tuple, stats: dict, cache: dict) -> int | None:
         """The topmost ancestor under the roots (a root included) that maps a
@@ -276,7 +367,8 @@ class Discovery:
         while p in stats and p in tree and seen < 64:
             seen += 1
             if p not in cache:
-                cache[p] = (rank_identity(p)[::2] if not is_launcher(p)
+                launcher = self._launchers.get(p) == stats[p].start_time or is_launcher(p)
+                cache[p] = (rank_identity(p)[::2] if not launcher
                             and (p in self.targets or mapped_libraries(p, self.catalog))
                             else None)
             if cache[p] == ident:
