@@ -244,3 +244,33 @@ def test_mp_spawn_children_are_ranks_in_start_order(tmp_path):
         assert [(t.pid, t.rank, t.world_size) for t in new] == [(pid_of[2], 2, 3)]
     finally:
         kill_tree(p)
+
+
+def test_launchers_are_told_by_the_program_not_a_substring(tmp_path):
+    """A rank whose script is named after a launcher (DeepSpeed's examples
+    ship train_deepspeed.py) is a rank; a `torchrun` script and `python -m
+    torch.distributed.run` are launchers, whatever follows them."""
+    pkg = tmp_path / "torch" / "distributed"          # first on the module path
+    pkg.mkdir(parents=True)
+    for f in (pkg.parent / "__init__.py", pkg / "__init__.py"):
+        f.write_text("")
+    for f in (pkg / "run.py", tmp_path / "torchrun", tmp_path / "train_deepspeed.py"):
+        f.write_text(CHILD)
+    cmds = {"rank": ["train_deepspeed.py"], "torchrun": ["torchrun"],
+            "module": ["-u", "-m", "torch.distributed.run"]}
+    procs = {name: subprocess.Popen([sys.executable, *argv, nccl_lib()], cwd=tmp_path,
+                                    stdout=subprocess.PIPE, text=True,
+                                    env=dict(os.environ, RANK="0", WORLD_SIZE="1",
+                                             PYTHONPATH=str(tmp_path)))
+             for name, argv in cmds.items()}
+    try:
+        for p in procs.values():
+            assert p.stdout.readline().strip() == "up"
+        d = Discovery([p.pid for p in procs.values()], CAT)
+        new, _, _ = d.scan()
+        assert [t.pid for t in new] == [procs["rank"].pid]
+        assert d.libraries_seen
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -30,10 +30,15 @@ RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
 
-# Command lines of launchers: they import torch (and so map libtorch_cpu)
-# but run no collectives, so they are not ranks.
-LAUNCHER_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch",
-                    "mpirun", "mpiexec", "srun", "deepspeed")
+# Launchers import torch (and so map libtorch_cpu) but run no collectives,
+# so they are not ranks. Told by the program they run, never by a substring
+# of the command line: a rank running `train_deepspeed.py` or
+# `torchrun_demo.py` is a rank. The program: the executable's name, or for
+# a Python interpreter its script's name or its `-m` module.
+LAUNCHER_PROGRAMS = frozenset({"torchrun", "mpirun", "mpiexec", "orterun", "prterun", "srun",
+                               "deepspeed", "accelerate"})
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch",
+                    "deepspeed.launcher.")
 
 # The last argument of a child that Python's multiprocessing started with the
 # "spawn" method (multiprocessing.spawn.get_command_line): mp.spawn's ranks,
@@ -194,11 +199,37 @@ def read_argv(pid: int) -> list[bytes]:
         return []
 
 
+def program_of(argv: list[bytes]) -> tuple[str, str | None]:
+    """(the program's name, the module of `python -m MODULE`, if any): the
+    executable's base name, or for a Python interpreter the script's (its
+    options skipped; `-c CODE` runs no named program)."""
+    args = [a.decode("utf-8", "replace") for a in argv]
+    if not args:
+        return "", None
+    exe = os.path.basename(args[0])
+    if not exe.startswith("python"):
+        return exe, None
+    i = 1
+    while i < len(args):
+        a = args[i]
+        if a == "-m" or (a.startswith("-m") and len(a) > 2):
+            mod = args[i + 1] if a == "-m" and i + 1 < len(args) else a[2:]
+            return exe, mod
+        if a == "-c" or (a.startswith("-c") and len(a) > 2):
+            return exe, None
+        if a in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2                               # an option with its own argument
+            continue
+        if not a.startswith("-"):
+            return os.path.basename(a), None
+        i += 1
+    return exe, None
+
+
 def is_launcher(pid: int) -> bool:
-    argv = read_argv(pid)
-    # Only the program and the module (`python -m torch.distributed.run`).
-    head = b" ".join(argv[:3]).decode("utf-8", "replace")
-    return any(m in head for m in LAUNCHER_MARKERS)
+    name, module = program_of(read_argv(pid))
+    return (name in LAUNCHER_PROGRAMS
+            or (module is not None and module.startswith(LAUNCHER_MODULES)))
 
 
 def is_spawn_child(pid: int) -> bool:
