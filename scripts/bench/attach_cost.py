@@ -106,7 +106,11 @@ def attach_cycle(work: Path, job: DDPJob, i: int, args, kind: str = "attach") ->
         if tracer.poll() is None:
             kill_tree(tracer)
         log.close()
-    return {"kind": kind, "t0": t0, "probes_in_s": probes_in, "cpu_s": cpu}
+    # Greyhound's own activities after the attach's, from its events: the
+    # validation workers' start and the pauses, each a cost the job pays.
+    own = [(e["what"], (e["start_ns"] - t0) / 1e9) for e in JsonlTail(events).kind("activity")
+           if e.get("end_ns") is None and e.get("what") in ("workers", "pause")]
+    return {"kind": kind, "t0": t0, "probes_in_s": probes_in, "cpu_s": cpu, "own": own}
 
 
 PHASE = r"""
@@ -145,7 +149,23 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 def report(kind: str, att: list[dict], sham: list[dict], nwin: int, observe: float) -> None:
     """One attach kind against the sham cycles: each window, the worst, the
-    whole span, when the probes were in and the tracer's CPU."""
+    whole span, when the probes were in and the tracer's CPU; then the same
+    over the cycles in which Greyhound started no validation (a healthy
+    job's slowdown that lasted 20 s is validated: its workers start beside
+    the job), when some did."""
+    _report(kind, att, sham, nwin, observe)
+    busy = [c for c in att if c.get("own")]
+    if busy and len(busy) < len(att):
+        print(f"{len(busy)} of {len(att)} {kind} cycles started validation workers "
+              f"({'; '.join(', '.join(f'{w} at {t:.0f} s' for w, t in c['own']) for c in busy)}"
+              "); the others alone:")
+        _report(f"{kind}, no validation", [c for c in att if not c.get("own")], sham, nwin,
+                observe)
+    elif busy:
+        print(f"every {kind} cycle started validation workers")
+
+
+def _report(kind: str, att: list[dict], sham: list[dict], nwin: int, observe: float) -> None:
     print(f"\n{kind}:\n{'window':>9} {kind:>11} {'sham':>9} {'cost':>16}")
     worst = None
     for k in range(nwin):
