@@ -340,6 +340,14 @@ def mitigating_healthy(start_tracer, root: int, n: int, control: Path, healthy_s
     return ranks, t
 
 
+def under_fault_from(slow_from_ns: int, until_ns: int, settle_s: float = 5.0) -> float:
+    """Where a fault's own iterations start, for a test that compares them
+    with a plan's: `settle_s` past the fault (its detection and the quota's
+    first periods), or the later half of the time to the plan (`until_ns`)
+    when the plan paid for itself sooner than that."""
+    return min(slow_from_ns + settle_s * 1e9, (slow_from_ns + until_ns) / 2)
+
+
 def named(t: "Tracer", since_ns: int = 0) -> list[dict]:
     """The tracer's diagnoses that name a cause, from `since_ns` on."""
     return [e for e in t.events("diagnosis") if e["cause"] != "unknown"

@@ -13,6 +13,9 @@ from harness import unconfirmed_slowdowns
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
+FAULT_AFTER_DETECTION_S = 2.0
+
+
 def iterations(t, rank):
     return [e for e in t.events("iteration") if e["rank"] == rank]
 
@@ -69,6 +72,11 @@ def test_slowdown_detected_after_injection_and_recovery_after_lifting(ddp_job, t
             slow = wait_for(lambda: [e for e in t.events("slowdown") if e["scope"] == "job"
                                      and e["time_ns"] >= inject_ns], 90,
                             "a job-level slowdown", interval=0.5, why=t.story)[0]
+            # The fault lasts a while past its detection, as a fail-slow
+            # does: lifted at once, it was 3-8 slow iterations in CI, and
+            # the recovery's before-level mixed them with healthy ones
+            # (x0.85, against the x0.8 asserted below).
+            time.sleep(FAULT_AFTER_DETECTION_S)
             lifted_at = len(iterations(t, 0))
         rec = wait_for(lambda: [e for e in t.events("recovery")
                                 if e["scope"] == "job" and e["index"] >= slow["index"]], 90,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import DDPJob, read_events, wait_for
+from harness import under_fault_from
 from mitigation.control import ControlWriter
 
 STEPS = 14
@@ -243,9 +244,7 @@ def test_a_rank_that_stays_slow_is_restarted_away_live(tmp_path, tracer):
     log = Path(job.log.name).read_text()
     assert "without ranks [1] of launch 0" in log, log[-2000:]
     recs = read_events(job.truth)
-    # Under the fault: past detection (5 s in), or the later half of the
-    # time to the restart when the restart paid for itself sooner than that.
-    under_from = min(slow_from + 5e9, (slow_from + restart["time_ns"]) / 2)
+    under_from = under_fault_from(slow_from, restart["time_ns"])
     launch, slowed, after = 0, [], []
     for d in recs:
         if "launch" in d and d["rank"] == 0:
