@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .diagnosis.bandwidth import BandwidthFloor
 from .diagnosis.crosssection import CrossSection
 from .diagnosis.passive import PassiveDiagnoser
 from .diagnosis.planner import PAUSE_BUDGET, ValidationPlanner
@@ -181,6 +182,7 @@ class JobAnalysis:
         self.topology = Topology(catalog)
         self.passive = PassiveDiagnoser(topology=self.topology, activity=self.activity)
         self.cross = CrossSection()
+        self.bandwidth = BandwidthFloor(catalog, topology=self.topology, activity=self.activity)
         self.planner = ValidationPlanner(enabled=c.validate, budget=c.pause_budget)
         self.policy = SkiRentalPolicy(global_microbatches=c.microbatches,
                                       restart_estimate_s=c.restart_estimate_s,
@@ -293,7 +295,8 @@ class JobAnalysis:
             return []
         rank_of = self.rank_of()
         self.topology.feed(recs, rank_of)
-        return self._engine(self.pipeline.feed_records(recs, rank_of))
+        out = self._engine(self.pipeline.feed_records(recs, rank_of))
+        return out + self._verdicts(self.bandwidth.feed(recs, rank_of), inp.t_ns)
 
     def _iterations(self, inp: Iterations) -> list[dict]:
         r = self.ranks.get(inp.key)

@@ -52,3 +52,49 @@ def test_link_slowdown_is_communication(tracer, tmp_path):
         assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", bed.host_dev(1)],
                                            capture_output=True, text=True).stdout
     assert bed.leftovers() == []
+
+
+def test_a_link_already_slow_at_attach_is_named(tracer, tmp_path):
+    """The link is slow before Greyhound comes (no slowdown to see, every
+    rank waiting alike): the calls' own bandwidth names the communicator
+    passively (diagnosis.bandwidth), validation names rank 1's link. First
+    a healthy attach of the same job: nothing named."""
+    truth = tmp_path / "truth.jsonl"
+    bed = NetBed(3, prefix="ghb", subnet="10.78.0")
+    with bed:
+        pids = bed.start_ranks(truth, *TRAIN, port=29733)
+        wait_for(lambda: len(read_events(truth)) >= 40, 120, "the job to train")
+        healthy = tracer(pids, "-q", name="healthy")
+        healthy.wait_attached(3)
+        wait_for(lambda: min(len(healthy.measured(r)) for r in range(3)) >= 60, 90,
+                 "60 measured iterations per rank", interval=0.5)
+        assert [e for e in healthy.events("diagnosis") if e["cause"] != "unknown"] == [], \
+            healthy.story()
+        assert healthy.stop() == 0
+        inj = subprocess.Popen([*GREYHOUND, "inject", "link", "--dev", bed.host_dev(1),
+                                "--rate", "200mbit", "--for", "120"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            time.sleep(5)                                 # slow before we come
+            t = tracer(pids, "-q", name="slow")
+            t.wait_attached(3)
+            attach_ns = t.events("attach")[0]["time_ns"]
+            named = lambda ev: [e for e in t.events("diagnosis")  # noqa: E731
+                                if e["evidence"] == ev and e["cause"] != "unknown"]
+            diag = wait_for(lambda: named("passive"), 30, "a passive verdict", interval=0.5,
+                            why=t.story)[0]
+            val = wait_for(lambda: named("validation"), 60, "a validated verdict",
+                           interval=0.5, why=t.story)[0]
+            assert t.stop() == 0
+        finally:
+            inj.send_signal(2)
+            out, _ = inj.communicate(timeout=60)
+        assert "undone" in out, out
+        print(f"link slow at attach: passive after {(diag['time_ns'] - attach_ns) / 1e9:.1f} s"
+              f" ({diag['reason']}), validated after {(val['time_ns'] - attach_ns) / 1e9:.1f} s")
+        assert (diag["cause"], diag["ranks"], diag["details"]["method"]) == \
+            ("communication", [0, 1, 2], "bandwidth"), t.story()
+        assert (val["cause"], val["link"], val["ranks"]) == ("communication", "rank 1", [1]), \
+            t.story()
+        assert not [e for e in t.events("diagnosis") if e["cause"] == "computation"]
+    assert bed.leftovers() == []

@@ -74,6 +74,9 @@ EXPECTED_PAUSE_S = 3.0
 RECHECK_PAUSE_S = 1.0
 # A verdict a plan tests waits this long at most for the plan's answer.
 PLAN_HOLD_S = 10.0
+# Verdicts on how the job runs now, not on a slowdown since a change point:
+# the ranks compared with each other, and the calls' own bandwidth.
+NOW_METHODS = ("cross-section", "bandwidth")
 
 
 def _what(v: Diagnosis) -> tuple:
@@ -211,7 +214,7 @@ class ValidationPlanner:
             self.pending = None
             return []
         if (self.slow_since_ns is None and v.cause == "communication"
-                and v.details.get("method") != "cross-section"):
+                and v.details.get("method") not in NOW_METHODS):
             # Its slowdown is over (judged at its recovery, or ended while it
             # waited): a link that recovered measures healthy. (A rebalance
             # hides a slow rank: a computation verdict is measured anyway.)
