@@ -13,6 +13,10 @@ link of theirs is that slow, whatever the job did before. That names the
 communicator (`communication`, `details.method: "bandwidth"`); validation's
 p2p edges then name the link.
 
+Only blocking calls whose size the catalog reads count (gloo's
+all-reduce): an NCCL call only enqueues, and its duration says nothing of
+how fast the bytes move (README, "Honest semantics").
+
 Fed call records (probe.records.CALL_DTYPE) like the topology; pure.
 """
 from __future__ import annotations
