@@ -46,6 +46,7 @@ def test_an_mp_spawn_job_through_its_scripts_pid(tmp_path, tracer):
         assert {r["pid"]: r["rank"] for r in attached} == {p: r for r, p in pid_of.items()}
         assert all(r["rank_from"] == "spawn order" and r["world_size"] == 3 for r in attached)
         assert job.pid not in {r["pid"] for r in attached}
+        assert "rank 1 (mp.spawn's order" in t.output(), t.output()
         # 2. Healthy.
         time.sleep(10)
         assert {e["rank"] for e in t.events("iteration")} == {0, 1, 2}, t.story()
