@@ -366,9 +366,7 @@ class AttachSession:
                       probes=sum(len(ps) for _, ps in attached), functions=fns,
                       subprocesses=self._subprocesses())
             for t, ps in attached:
-                who = f"rank {t.rank}" if t.rank is not None else "process"
-                if t.rank_from == "spawn order":
-                    who += " (mp.spawn's order: no RANK in its environment)"
+                who = t.label("process")
                 self.say(f"attached {len(ps)} probes to {who} (pid {t.pid}, "
                          f"{safe(t.comm, 16)}): {', '.join(sorted(t.libraries))}")
 

@@ -153,9 +153,7 @@ def check_pid(pid: int, catalog: Catalog) -> list[Row]:
                     "" if d.libraries_seen else "attach --wait waits for the libraries")]
     rows = []
     for t in sorted(d.targets.values(), key=lambda t: (t.rank is None, t.rank or 0, t.pid)):
-        who = f"rank {t.rank}" if t.rank is not None else "no rank env"
-        if t.rank_from == "spawn order":
-            who += " (by spawn order)"
+        who = t.label("no rank env")
         rows.append(Row(f"pid {t.pid}", OK, f"{who}: " + ", ".join(
             f"{f} ({os.path.basename(m.path)})" for f, m in sorted(t.libraries.items()))))
     return rows

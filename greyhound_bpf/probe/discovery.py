@@ -68,6 +68,13 @@ class Target:
     # order" (an mp.spawn child, numbered as it started), or None (no rank).
     rank_from: str | None = None
 
+    def label(self, none: str) -> str:
+        """"rank N", saying so when the rank was inferred; `none` without one."""
+        if self.rank is None:
+            return none
+        return f"rank {self.rank}" + (" (mp.spawn's order: no RANK in its environment)"
+                                      if self.rank_from == "spawn order" else "")
+
     def describe(self) -> dict:
         return {"pid": self.pid, "rank": self.rank, "local_rank": self.local_rank,
                 "world_size": self.world_size, "comm": self.comm, "rank_from": self.rank_from,
