@@ -50,6 +50,7 @@ INJECT_DEFAULT_S = 600.0
 EPILOG_INJECT = """\
 examples:
   sudo greyhound-trace inject compute --pid 4242 --quota 0.5 --for 60
+  sudo greyhound-trace inject compute --pid 4242 --quota 0.3 --period-ms 100   # as k8s throttles
   sudo greyhound-trace inject link --dev eth1 --rate 400mbit --for 0   # until Ctrl-C
   sudo greyhound-trace inject gpu-clock --gpu 3 --mhz 900 --for 120
   sudo greyhound-trace inject --undo-all       # clean up after a killed inject
@@ -220,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     ic.add_argument("--pid", type=T.pid, required=True, help="the process (a rank)")
     ic.add_argument("--quota", type=T.positive, required=True, metavar="CPUS",
                     help="CPUs it may use, e.g. 0.5")
+    ic.add_argument("--period-ms", type=T.positive, metavar="MS",
+                    help="the CFS period the quota is enforced over (default 2: an even "
+                         "slowdown, like a lowered GPU clock; 100: the kernel's default, as "
+                         "Docker's --cpus and Kubernetes' CPU limits throttle: bursts and "
+                         "stalls)")
     il = isub.add_parser("link", help="rate-limit a network interface (tc tbf)")
     il.add_argument("--dev", required=True, metavar="IFACE", help="the interface, e.g. eth1")
     il.add_argument("--rate", required=True, metavar="RATE", help="e.g. 400mbit, 1gbit")
@@ -372,8 +378,10 @@ def cmd_inject(args) -> int:
     if args.fault is None:
         raise GreyhoundError("name a fault (compute, link, gpu-clock) or --undo-all")
     if args.fault == "compute":
-        fault, what = inject.CpuQuota(args.pid, args.quota), f"pid {args.pid} limited to " \
-                                                              f"{args.quota:g} CPU"
+        period = None if args.period_ms is None else round(args.period_ms * 1e3)
+        fault = inject.CpuQuota(args.pid, args.quota, period_us=period)
+        what = f"pid {args.pid} limited to {args.quota:g} CPU" + \
+            (f" per {args.period_ms:g} ms period" if period else "")
     elif args.fault == "link":
         fault, what = inject.LinkRate(args.dev, args.rate), f"{args.dev} limited to {args.rate}"
     else:

@@ -44,13 +44,22 @@ MIN_QUOTA_US = 1_000
 
 
 class CpuQuota:
-    def __init__(self, pid: int, quota: float, controller: CpuController | None = None):
+    def __init__(self, pid: int, quota: float, controller: CpuController | None = None,
+                 period_us: int | None = None):
+        """`period_us`: the CFS period to enforce the quota over (default
+        PERIOD_US, or longer where the quota needs it). The kernel's own
+        default, 100 ms, is what systemd's CPUQuota=, Docker's --cpus and
+        Kubernetes' CPU limits use: a rank then runs unthrottled for part of
+        each period and stalls for the rest, an intermittent straggler."""
         if not quota > 0:
             raise GreyhoundError(f"quota must be positive (cores), not {quota}")
         if quota < 0.001:
             raise GreyhoundError(f"quota {quota} is below the kernel's 1 ms per second")
         if not os.path.exists(f"/proc/{pid}"):
             raise GreyhoundError(f"no process with PID {pid}")
+        if period_us is not None and not 1_000 <= period_us <= 1_000_000:
+            raise GreyhoundError(f"a CFS period is 1 ms to 1 s, not {period_us / 1e3:g} ms")
+        self.period_us = period_us
         self.ctl = controller or cpu_controller()
         self.pid, self.quota = pid, quota
         self.name = f"{GROUP_PREFIX}{pid}-{uuid.uuid4().hex[:8]}"
@@ -70,7 +79,8 @@ class CpuQuota:
         self._origin = cgroup_path(self.pid, self.ctl)
         # The kernel takes quotas of 1 ms at least: a small share needs a
         # longer period (0.3 CPU: 1 ms every 3.3 ms).
-        period = min(1_000_000, max(PERIOD_US, math.ceil(MIN_QUOTA_US / self.quota)))
+        period = min(1_000_000, max(self.period_us or PERIOD_US,
+                                    math.ceil(MIN_QUOTA_US / self.quota)))
         quota = max(MIN_QUOTA_US, int(self.quota * period))
         if self.ctl.version == 1:
             self.group.mkdir()

@@ -69,7 +69,9 @@ class Fault:
         if spec["kind"] == "compute":
             self.used = cpu_share(pid, 2.0)
             self.quota = max(0.02, self.used * spec["share"])
-            self.fault = CpuQuota(pid, self.quota)
+            period = spec.get("period_ms")
+            self.fault = CpuQuota(pid, self.quota,
+                                  period_us=None if period is None else int(period * 1000))
         else:
             self.fault = LinkRate(bed.host_dev(spec["rank"]), spec["rate"])
         self.start_ns = self.end_ns = None
@@ -89,6 +91,8 @@ class Fault:
         if self.spec["kind"] == "compute":
             d.update(share=self.spec["share"], used_cpus=round(self.used, 3),
                      quota_cpus=round(self.quota, 3))
+            if "period_ms" in self.spec:
+                d["period_ms"] = self.spec["period_ms"]
         else:
             d.update(rate=self.spec["rate"])
         return d

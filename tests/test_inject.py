@@ -49,6 +49,31 @@ def test_compute_for_expires(sleeper):
     assert leftover_groups() == before and group_of(sleeper.pid) == home
 
 
+def period_us(group) -> int:
+    if (group / "cpu.max").exists():
+        return int((group / "cpu.max").read_text().split()[1])
+    return int((group / "cpu.cfs_period_us").read_text())
+
+
+def test_compute_period_as_a_container_limit_throttles(sleeper):
+    """--period-ms 100: the quota over the kernel's default period (what
+    Docker's --cpus and Kubernetes' limits set), where the default is an
+    even 2 ms period; a period the kernel would refuse is a one-line error."""
+    before = leftover_groups()
+    p = start_inject("compute", "--pid", str(sleeper.pid), "--quota", "0.3",
+                     "--period-ms", "100", "--for", "1")
+    wait_for(lambda: "greyhound-" in group_of(sleeper.pid), 20, "the quota")
+    grp = [g for g in leftover_groups() if g not in before][0]
+    assert (quota_us(grp), period_us(grp)) == (30_000, 100_000)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0 and "per 100 ms period" in out and "undone" in out
+    assert leftover_groups() == before
+    r = run_cli("inject", "compute", "--pid", str(sleeper.pid), "--quota", "0.3",
+                "--period-ms", "2000")
+    assert r.returncode != 0 and "a CFS period is 1 ms to 1 s" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and leftover_groups() == before
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
                          ids=lambda s: s.name)
 def test_compute_undone_on_signal(sleeper, sig):
