@@ -19,6 +19,7 @@ Each rate is printed with its one-sided 95% lower bound (Clopper-Pearson):
     sudo scripts/bench_tries                  # 8 tries of each, seed 7
     sudo scripts/bench_tries --tries 20 --seed 11 --only before
     sudo scripts/bench_tries --tries 12 --seed 17 19 23    # 3 seeds' draws, pooled
+    sudo scripts/bench_tries --period-ms 100   # throttled as a container's CPU limit does
 """
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ NPROC = 4
 TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
+PERIOD_US = None            # --period-ms: the quota's CFS period (None: inject's default)
+
+
+def quota(pid: int, cpus: float) -> CpuQuota:
+    return CpuQuota(pid, max(0.02, cpus), period_us=PERIOD_US)
 
 
 def attached(t: Tracer) -> int | None:
@@ -71,7 +77,7 @@ def judge(verdicts: list[dict], rank: int, t_ns: int, within_s: float) -> tuple[
 
 def try_before(work, job, ranks, i, rank, share) -> dict:
     used = cpu_share(ranks[rank], 2)
-    with CpuQuota(ranks[rank], max(0.02, share * used)):
+    with quota(ranks[rank], share * used):
         time.sleep(5)                              # slow before we come
         t = Tracer(work, [job.pid], "-q", name=f"before-{i}")
         try:
@@ -98,7 +104,7 @@ def try_after(work, job, ranks, i, rank, share, offset) -> dict:
         time.sleep(offset)
         used = cpu_share(ranks[rank], 0.5)
         early = named(t)                           # the healthy phase names nothing
-        with CpuQuota(ranks[rank], max(0.02, share * used)):
+        with quota(ranks[rank], share * used):
             t_on = time.time_ns()
             try:
                 wait_for(lambda: named(t, t_on), AFTER_WITHIN_S, interval=0.25)
@@ -130,14 +136,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="examples:\n  sudo scripts/bench_tries\n"
                                  "  sudo scripts/bench_tries --tries 20 --seed 11\n"
-                                 "  sudo scripts/bench_tries --tries 12 --seed 17 19 23",
+                                 "  sudo scripts/bench_tries --tries 12 --seed 17 19 23\n"
+                                 "  sudo scripts/bench_tries --period-ms 100",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=8, help="tries of each kind")
     ap.add_argument("--seed", type=int, nargs="+", default=[7],
                     help="one or more seeds: each draws --tries of each kind, as a run "
                          "with that seed alone would")
     ap.add_argument("--only", choices=("before", "after"))
+    ap.add_argument("--period-ms", type=float,
+                    help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
+                         "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
+                         "limits throttle)")
     args = ap.parse_args(argv)
+    global PERIOD_US
+    PERIOD_US = None if args.period_ms is None else int(args.period_ms * 1000)
     if os.geteuid() != 0:
         print("bench_tries: needs root (BPF, cgroups): sudo scripts/bench_tries", file=sys.stderr)
         return 1
@@ -175,7 +188,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{NPROC} user_train ranks ({' '.join(TRAIN)}), "
+    period = f", the quota over a {args.period_ms:g} ms period" if args.period_ms else ""
+    print(f"\n{NPROC} user_train ranks ({' '.join(TRAIN)}){period}, "
           f"seed{'s' if len(args.seed) > 1 else ''} {' '.join(map(str, args.seed))}:")
     print(f"{'straggler':<26} {'seed':>5} {'named':>9} {'wrong':>6} {'delay (median)':>15} "
           f"{'rate >= (95%)':>14}")
