@@ -37,7 +37,7 @@ from .output.summary import CallStats, final_report, safe
 from .output.text import describe
 from .probe.catalog import Catalog, load_catalog
 from .probe.check import has_bpf_privileges
-from .probe.discovery import Discovery, Target, read_stat
+from .probe.discovery import Discovery, Target, job_roots, read_stat, widened_note
 from .probe.tracer import DEFAULT_RINGBUF_PAGES, Tracer
 
 # How often the process tree is rescanned for new or exited ranks. Ranks that
@@ -61,6 +61,7 @@ class AttachOptions:
     interval: float | None = 1.0
     count: int | None = None
     wait: bool = False
+    only_named: bool = False        # a rank's PID is not widened to its job (job_roots)
     ringbuf_pages: int = DEFAULT_RINGBUF_PAGES
     count_launches: bool = False
     job: str | None = None
@@ -91,7 +92,9 @@ class AttachSession:
         self.term = Terminal(text_out or (sys.stderr if to_stdout else sys.stdout),
                              err or sys.stderr, opts.timestamps)
         self.sinks: list[Callable[[dict], None]] = []
-        self.discovery = Discovery(opts.pids, self.catalog)
+        self.roots, self.widened = ((list(opts.pids), []) if opts.only_named
+                                    else job_roots(list(opts.pids)))
+        self.discovery = Discovery(self.roots, self.catalog)
         self.tracer: Tracer | None = None
         self.stats = CallStats(self.catalog)
         self._fn_names = [fn.name for fn in self.catalog.functions]
@@ -132,7 +135,7 @@ class AttachSession:
         if opts.record_path:
             from .recording import Recorder, header
             self.recorder = Recorder(opts.record_path, header(
-                self.job, config, self.catalog, pids=list(opts.pids)), self.catalog)
+                self.job, config, self.catalog, pids=self.roots), self.catalog)
         self._record_said = False
         self._writer_said = False
         self._followups: list = []                 # inputs caused by handling events
@@ -147,8 +150,8 @@ class AttachSession:
         self.others = OtherValidations()
 
     def _default_job(self) -> str:
-        st = read_stat(self.opts.pids[0]) if self.opts.pids else None
-        return f"{st.comm if st else 'job'}-{self.opts.pids[0] if self.opts.pids else 0}"
+        pid = self.roots[0] if self.roots else 0
+        return f"{st.comm if (st := read_stat(pid)) else 'job'}-{pid}"
 
     def now_ns(self) -> int:
         """The analysis clock."""
@@ -158,8 +161,7 @@ class AttachSession:
 
     def emit(self, kind: str, time_ns: int | None = None, **fields) -> dict:
         """An event of the attach loop itself (attach, exit, lost, detach, call)."""
-        ev = make_event(kind, self.job, time_ns, **fields)
-        self._publish(ev)
+        self._publish(ev := make_event(kind, self.job, time_ns, **fields))
         return ev
 
     def _publish(self, ev: dict) -> None:
@@ -225,11 +227,13 @@ class AttachSession:
             raise GreyhoundError(
                 "attach needs root (it loads BPF programs and reads other processes' "
                 "memory maps): run it with sudo", exit_code=1)
+        for pid, up in self.widened:
+            self.say(widened_note(pid, up))
         self._initial_scan = self.discovery.scan()
         if not self.discovery.libraries_seen and not self.opts.wait:
-            n = len(self.discovery.tree) - len(self.opts.pids)
+            n = len(self.discovery.tree) - len(self.roots)
             names = ", ".join(self.catalog.sonames)
-            pids = ", ".join(map(str, self.opts.pids))
+            pids = ", ".join(map(str, self.roots))
             raise GreyhoundError(
                 f"PID {pids} and its {n} descendant(s) map none of {names}; "
                 "not a training job yet? (--wait waits for one to be loaded)")
@@ -237,9 +241,8 @@ class AttachSession:
     # -- main loop -----------------------------------------------------------
 
     def run(self) -> int:
-        # Starting costs seconds of CPU (the first scan, the BPF program's
-        # compile, the kernels' cache, symbol tables): in the background (the
-        # command line's, from before its imports), back once the probes are in.
+        # Starting costs seconds of CPU (the first scan, the BPF compile, the kernels'
+        # cache, symbols): in the background from before the imports, till the probes are in.
         background = self.background = Background.start()
         try:
             self.preflight()
@@ -272,7 +275,7 @@ class AttachSession:
                 self.say(f"start-up outlasted {background.max_s:.0f} s at idle priority "
                          "(the machine is saturated): finished at normal priority")
             if not new:
-                self.say(f"waiting for ranks under PID {', '.join(map(str, self.opts.pids))} "
+                self.say(f"waiting for ranks under PID {', '.join(map(str, self.roots))} "
                          "to load a probed library")
             self._loop(t0)
         except GreyhoundError as e:
@@ -361,7 +364,7 @@ class AttachSession:
                 begin_ns=begin))
         if attached or first:
             fns = sorted({p.fn.name for _, ps in attached for p in ps})
-            self.emit("attach", pid=self.opts.pids[0], pids=list(self.opts.pids),
+            self.emit("attach", pid=self.roots[0], pids=self.roots, named=list(self.opts.pids),
                       ranks=[describe_rank(t, self.gpus) for t, _ in attached],
                       probes=sum(len(ps) for _, ps in attached), functions=fns,
                       subprocesses=self._subprocesses())
@@ -483,9 +486,8 @@ class AttachSession:
                 return
             if what == "progress":
                 self.say(f"validation: {doc}")
-            elif what == "activity":
-                span_id, kind, start, end = doc
-                self.feed(Activity(self.now_ns(), span_id, kind, start, end))
+            elif what == "activity":                    # (span id, kind, start, end)
+                self.feed(Activity(self.now_ns(), *doc))
             elif what == "result":
                 request_id, res = doc            # (links between nodes: the controller's)
                 if not res.between_nodes:
@@ -514,8 +516,7 @@ class AttachSession:
     def _read_acks(self) -> None:
         if self.control is None:
             return
-        docs = self.control.ack_docs()
-        cost = self.control.restart_observed_s()
+        docs, cost = self.control.ack_docs(), self.control.restart_observed_s()
         if (docs, cost) != self._acks_last:
             self._acks_last = (docs, cost)
             self.feed(Acks(self.now_ns(), docs, cost))
@@ -544,9 +545,8 @@ class AttachSession:
         a = self.analysis
         untimed = self.tracer.untimed_total() if self.tracer and self.tracer.bpf else 0
         self.emit("detach", reason=reason, delivered=delivered, lost=self.lost_reported,
-                  untimed=untimed,
-                  validations=a.planner.validations, paused_s=round(a.paused_total_s, 3),
-                  **extra)
+                  untimed=untimed, validations=a.planner.validations,
+                  paused_s=round(a.paused_total_s, 3), **extra)
         if self.writer:
             self.writer.flush()
         lost_output = [(f"-o {self.opts.json_path}", w.dropped, "event(s) not written", w.error)

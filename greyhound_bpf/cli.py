@@ -15,7 +15,8 @@ from .diagnosis.cpu import Background, IdleGroup
 
 EPILOG_ATTACH = """\
 examples:
-  sudo greyhound-trace attach 4242              # a rank, or torchrun's PID
+  sudo greyhound-trace attach 4242              # torchrun, or a rank: its job
+  sudo greyhound-trace attach 4242 --only-named # that rank alone
   sudo greyhound-trace attach 4242 -T -i 5      # timestamped, every 5 s
   sudo greyhound-trace attach -p 4242 -p 4243   # ranks directly (as bcc tools)
   sudo greyhound-trace attach 4242 -o ev.jsonl --calls --duration 60
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank, or a launcher (torchrun, mpirun, a script): its ranks are found")
     a.add_argument("-p", "--pid", dest="more_pids", type=T.pid, action="append", default=[],
                    metavar="PID", help="a PID too (repeatable; bcc tools' spelling)")
+    a.add_argument("--only-named", action="store_true",
+                   help="trace only the PIDs named (and their descendants): by default one "
+                        "rank's PID under a launcher (torchrun, mpirun, mp.spawn's script) "
+                        "traces its whole job, every rank under that launcher")
     a.add_argument("-i", "--interval", type=T.positive, default=1.0, metavar="S",
                    help="seconds between text summaries (default 1)")
     a.add_argument("-n", "--count", type=int, metavar="N", help="stop after N summaries")
@@ -308,6 +313,7 @@ def cmd_attach(args) -> int:
         pids=pids, json_path=out, record_path=args.record, calls=args.calls,
         duration=args.duration,
         interval=None if args.quiet else args.interval, count=args.count, wait=args.wait,
+        only_named=args.only_named,
         ringbuf_pages=args.ringbuf_pages or DEFAULT_RINGBUF_PAGES,
         count_launches=args.count_launches, job=args.job, threshold=args.threshold,
         min_probability=args.min_probability, control_file=args.control_file,

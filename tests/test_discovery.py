@@ -11,8 +11,9 @@ import pytest
 
 from conftest import kill_tree, nccl_lib, wait_for
 from greyhound_bpf.probe.catalog import load_catalog
-from greyhound_bpf.probe.discovery import (Discovery, all_stats, descendants, mapped_libraries,
-                                     rank_identity, read_stat)
+from greyhound_bpf.probe.discovery import (Discovery, all_stats, descendants, job_roots,
+                                           mapped_libraries, rank_identity, read_stat,
+                                           widened_note)
 
 CAT = load_catalog()
 
@@ -242,6 +243,11 @@ def test_mp_spawn_children_are_ranks_in_start_order(tmp_path):
         # One rank named on its own still gets its place among its siblings.
         new, _, _ = Discovery([pid_of[2]], CAT).scan()
         assert [(t.pid, t.rank, t.world_size) for t in new] == [(pid_of[2], 2, 3)]
+        # ... and attach widens it to its job, the script that spawned it;
+        # rank 1's workers (forked, spawned) are no ranks of the script.
+        assert job_roots([pid_of[2]]) == ([p.pid], [(pid_of[2], p.pid)])
+        assert "one of the ranks mp.spawn started" in widened_note(pid_of[2], p.pid)
+        assert job_roots(workers) == (workers, [])
     finally:
         kill_tree(p)
 
@@ -274,3 +280,55 @@ def test_launchers_are_told_by_the_program_not_a_substring(tmp_path):
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+LAUNCHING = textwrap.dedent("""
+    import os, subprocess, sys
+    child, lib = sys.argv[1], sys.argv[2]
+    def start(env):
+        p = subprocess.Popen([sys.executable, "-c", child, lib], stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, **env))
+        assert p.stdout.readline().strip() == "up"
+        return p
+    ranks = [start({"RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": "3"}) for i in range(3)]
+    alone = start({"RANK": "0", "WORLD_SIZE": "1"})
+    print(" ".join(str(p.pid) for p in ranks + [alone]), flush=True)
+    for p in ranks + [alone]:
+        p.wait()
+""")
+
+
+def test_one_ranks_pid_names_its_job_under_a_launcher(tmp_path):
+    """`attach <a rank's PID>`: the user means the job. A rank of a world of
+    3 under a launcher (a `torchrun` script here) is widened to the
+    launcher, whose discovery finds all three; a single-process job under
+    it, a rank under a shell, and a PID named with its launcher are not."""
+    (tmp_path / "torchrun").write_text(LAUNCHING)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "torchrun"), CHILD, nccl_lib()],
+                                cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=env)
+    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -c \"$CHILD\" {nccl_lib()}; :"],
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(env, CHILD=CHILD, RANK="1", WORLD_SIZE="3"))
+    try:
+        *ranks, alone = map(int, launcher.stdout.readline().split())
+        assert shell.stdout.readline().strip() == "up"
+        under_shell = wait_for(lambda: next(iter(set(descendants([shell.pid], all_stats()))
+                                                 - {shell.pid}), None), 5, "the shell's rank")
+        roots, widened = job_roots([ranks[1]])
+        assert (roots, widened) == ([launcher.pid], [(ranks[1], launcher.pid)])
+        note = widened_note(ranks[1], launcher.pid)
+        assert "rank 1 of 3, under torchrun" in note and "--only-named" in note
+        new, _, _ = Discovery(roots, CAT).scan()
+        assert sorted((t.rank, t.pid) for t in new) == sorted(
+            [(0, ranks[0]), (1, ranks[1]), (2, ranks[2]), (0, alone)])
+        assert job_roots([ranks[0], ranks[2]]) == ([launcher.pid],
+                                                  [(ranks[0], launcher.pid),
+                                                   (ranks[2], launcher.pid)])
+        assert job_roots([alone]) == ([alone], [])
+        assert job_roots([under_shell]) == ([under_shell], [])
+        assert job_roots([launcher.pid, ranks[0]]) == ([launcher.pid], [])
+        assert job_roots([999_999_999]) == ([999_999_999], [])
+    finally:
+        kill_tree(launcher)
+        kill_tree(shell)

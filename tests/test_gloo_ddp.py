@@ -16,15 +16,25 @@ from conftest import wait_for
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ddp_ranks_and_allreduce_counts(ddp_job, tracer, nproc):
+@pytest.mark.parametrize("nproc,named", [(2, "rank 1"), (4, "torchrun")])
+def test_ddp_ranks_and_allreduce_counts(ddp_job, tracer, nproc, named):
     job = ddp_job(nproc, 30)
     # torchrun imports torch (it maps libtorch_cpu) but is a launcher: the
     # tracer starts at once and waits for its ranks.
     wait_for(lambda: job.proc.poll() is None and len(_children(job.proc.pid)) >= nproc, 60,
              "torchrun workers")
-    t = tracer([job.proc.pid], "--calls", "-q")
+    pid = job.proc.pid
+    if named == "rank 1":
+        # A user who names one rank means its job: every rank is traced.
+        from greyhound_bpf.probe.discovery import rank_identity
+        pid = wait_for(lambda: next((p for p in _children(job.proc.pid)
+                                     if rank_identity(p)[0] == 1), None), 60, "rank 1")
+    t = tracer([pid], "--calls", "-q")
     ranks = t.wait_attached(nproc, timeout=90)
+    attach = t.events("attach")[0]
+    assert (attach["pid"], attach["named"]) == (job.proc.pid, [pid])
+    if named == "rank 1":
+        assert f"pid {pid} is rank 1 of 2, under torchrun (pid {job.proc.pid})" in t.output()
     assert sorted(r["rank"] for r in ranks) == list(range(nproc))
     assert all(r["world_size"] == nproc and r["local_rank"] == r["rank"] for r in ranks)
     assert job.proc.pid not in {r["pid"] for r in ranks}, "torchrun is a launcher, not a rank"

@@ -12,7 +12,7 @@ import platform
 from dataclasses import dataclass
 
 from .catalog import Catalog, load_catalog
-from .discovery import Discovery, read_stat
+from .discovery import Discovery, job_roots, read_stat, widened_note
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 SETUP = "sudo scripts/setup"
@@ -142,7 +142,8 @@ def check_pid(pid: int, catalog: Catalog) -> list[Row]:
     st = read_stat(pid)
     if st is None:
         return [Row(f"pid {pid}", FAIL, "no such process", "give the PID of a rank or launcher")]
-    d = Discovery([pid], catalog)
+    roots, widened = job_roots([pid])
+    d = Discovery(roots, catalog)
     d.scan()
     if not d.targets:
         what = ("launcher maps a library; its ranks have not started"
@@ -151,7 +152,7 @@ def check_pid(pid: int, catalog: Catalog) -> list[Row]:
         return [Row(f"pid {pid}", WARN if d.libraries_seen else FAIL,
                     f"{st.comm}, {len(d.tree)} process(es): {what}",
                     "" if d.libraries_seen else "attach --wait waits for the libraries")]
-    rows = []
+    rows = [Row(f"pid {p}", OK, widened_note(p, up)) for p, up in widened]
     for t in sorted(d.targets.values(), key=lambda t: (t.rank is None, t.rank or 0, t.pid)):
         who = t.label("no rank env")
         rows.append(Row(f"pid {t.pid}", OK, f"{who}: " + ", ".join(

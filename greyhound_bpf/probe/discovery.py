@@ -239,6 +239,52 @@ def is_launcher(pid: int) -> bool:
             or (module is not None and module.startswith(LAUNCHER_MODULES)))
 
 
+def launcher_of(pid: int) -> int | None:
+    """The launcher `pid` runs under as one rank of several, or None: its
+    parent when that is a launcher (torchrun, mpirun...) and `pid` has a
+    rank of a world of two or more in its environment, or when `pid` is a
+    spawn child with no rank of its own whose parent is neither a rank nor
+    a spawn child (the script that mp.spawn'ed it). Naming one rank's PID
+    then names its job: a job's straggler is found by comparing its ranks."""
+    st = read_stat(pid)
+    if st is None or st.ppid <= 1 or read_stat(st.ppid) is None:
+        return None
+    rank, _, world = rank_identity(pid)
+    if rank is not None:
+        return st.ppid if world is not None and world > 1 and is_launcher(st.ppid) else None
+    if is_spawn_child(pid) and rank_identity(st.ppid)[0] is None \
+            and not is_spawn_child(st.ppid):
+        return st.ppid
+    return None
+
+
+def job_roots(pids: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The roots to trace for the PIDs a user named: each rank's launcher in
+    its place (once), the others as they are; and (pid, launcher) for each
+    PID that was widened to its job."""
+    roots: list[int] = []
+    widened: list[tuple[int, int]] = []
+    for pid in pids:
+        up = launcher_of(pid)
+        if up is not None and up not in pids:
+            widened.append((pid, up))
+        root = up if up is not None else pid
+        if root not in roots:
+            roots.append(root)
+    return roots, widened
+
+
+def widened_note(pid: int, launcher: int) -> str:
+    """What a user is told when the PID they named was widened to its job."""
+    rank, _, world = rank_identity(pid)
+    who = (f"rank {rank} of {world}" if rank is not None
+           else "one of the ranks mp.spawn started")
+    name = program_of(read_argv(launcher))[0] or "its launcher"
+    return (f"pid {pid} is {who}, under {name} (pid {launcher}): tracing its job, every "
+            "rank under that launcher, since a straggler shows only against the other "
+            "ranks (--only-named: the PIDs named alone)")
+
+
 def is_spawn_child(pid: int) -> bool:
     """Started by Python's multiprocessing with the "spawn" method (a new
     interpreter, not a fork of its parent)."""
