@@ -249,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_VALIDATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("pids", metavar="PID", type=T.pid, nargs="*",
-                   help="a rank or launcher of a running job (needs root)")
+                   help="a rank or launcher of a running job (needs root): a rank's PID "
+                        "under a launcher measures its whole job")
+    v.add_argument("--only-named", action="store_true",
+                   help="measure only the ranks under the PIDs named")
     v.add_argument("--world", type=int, metavar="N",
                    help="pre-check N devices on this machine before a job starts")
     _output_args(v, "the `diagnosis` event as a JSON line on stdout, instead of the table",
@@ -433,9 +436,13 @@ def cmd_validate(args) -> int:
         if os.geteuid() != 0:
             raise GreyhoundError("validate PID needs root (it enters the ranks' namespaces "
                                  "and cgroups and pauses them): run it with sudo", exit_code=1)
-        members = validator.members_for_job(args.pids)
-        st = host.read_stat(args.pids[0])
-        job = f"{st.comm if st else 'job'}-{args.pids[0]}"
+        from .probe.discovery import job_roots, widened_note
+        roots, widened = (args.pids, []) if args.only_named else job_roots(args.pids)
+        for pid, up in widened:
+            print(f"greyhound-trace: {widened_note(pid, up)}", file=sys.stderr)
+        members = validator.members_for_job(roots)
+        st = host.read_stat(roots[0])
+        job = f"{st.comm if st else 'job'}-{roots[0]}"
     err = Console(stderr=True)
     # Checking the interpreter imports torch, as the workers do: load on the
     # host that a tracer there must not blame on the job.

@@ -298,14 +298,17 @@ LAUNCHING = textwrap.dedent("""
 """)
 
 
-def test_one_ranks_pid_names_its_job_under_a_launcher(tmp_path):
+@pytest.mark.parametrize("launcher_name", ["torchrun", "slurmstepd"])
+def test_one_ranks_pid_names_its_job_under_a_launcher(tmp_path, launcher_name):
     """`attach <a rank's PID>`: the user means the job. A rank of a world of
-    3 under a launcher (a `torchrun` script here) is widened to the
-    launcher, whose discovery finds all three; a single-process job under
-    it, a rank under a shell, and a PID named with its launcher are not."""
-    (tmp_path / "torchrun").write_text(LAUNCHING)
+    3 under a launcher (a script named as torchrun or Slurm's step daemon
+    here) is widened to the launcher, whose discovery finds all three; a
+    single-process job under it, a rank under a shell, and a PID named with
+    its launcher are not."""
+    (tmp_path / launcher_name).write_text(LAUNCHING)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    launcher = subprocess.Popen([sys.executable, str(tmp_path / "torchrun"), CHILD, nccl_lib()],
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / launcher_name), CHILD,
+                                 nccl_lib()],
                                 cwd=tmp_path, stdout=subprocess.PIPE, text=True, env=env)
     shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -c \"$CHILD\" {nccl_lib()}; :"],
                              stdout=subprocess.PIPE, text=True,
@@ -318,7 +321,7 @@ def test_one_ranks_pid_names_its_job_under_a_launcher(tmp_path):
         roots, widened = job_roots([ranks[1]])
         assert (roots, widened) == ([launcher.pid], [(ranks[1], launcher.pid)])
         note = widened_note(ranks[1], launcher.pid)
-        assert "rank 1 of 3, under torchrun" in note and "--only-named" in note
+        assert f"rank 1 of 3, under {launcher_name}" in note and "--only-named" in note
         new, _, _ = Discovery(roots, CAT).scan()
         assert sorted((t.rank, t.pid) for t in new) == sorted(
             [(0, ranks[0]), (1, ranks[1]), (2, ranks[2]), (0, alone)])

@@ -186,10 +186,14 @@ def test_cpu_quota_straggler_is_measured(ddp_job, tmp_path):
              if rank_identity(p)[0] is not None}
     out = tmp_path / "v.jsonl"
     with CpuQuota(ranks[2], 0.5):
-        r = run_cli("validate", str(job.proc.pid), "-o", str(out), timeout=180)
+        # The slow rank's own PID, as a user who saw it in `top` gives it:
+        # its job's four devices are measured, so there is a reference.
+        r = run_cli("validate", str(ranks[2]), "-o", str(out), timeout=180)
     assert r.returncode == 3, r.stdout + r.stderr
+    assert f"pid {ranks[2]} is rank 2 of 4, under torchrun (pid {job.proc.pid})" in r.stderr
     (ev,) = read_events(out)
     assert (ev["cause"], ev["ranks"], ev["evidence"]) == ("computation", [2], "validation")
+    assert sorted(ev["details"]["devices"]) == ["0", "1", "2", "3"]
     assert 0 < ev["details"]["paused_s"] <= 5
     assert "SLOW" in r.stdout
     # The job was only paused: it goes on training.

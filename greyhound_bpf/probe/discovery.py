@@ -34,9 +34,13 @@ WORLD_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTAS
 # so they are not ranks. Told by the program they run, never by a substring
 # of the command line: a rank running `train_deepspeed.py` or
 # `torchrun_demo.py` is a rank. The program: the executable's name, or for
-# a Python interpreter its script's name or its `-m` module.
+# a Python interpreter its script's name or its `-m` module. The per-node
+# daemons that start a node's ranks (Slurm's step daemon, Open MPI's and
+# MPICH's proxies) count too: a rank's PID under one names the node's part
+# of its job (job_roots).
 LAUNCHER_PROGRAMS = frozenset({"torchrun", "mpirun", "mpiexec", "orterun", "prterun", "srun",
-                               "deepspeed", "accelerate"})
+                               "deepspeed", "accelerate", "slurmstepd", "orted", "prted",
+                               "hydra_pmi_proxy"})
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch",
                     "deepspeed.launcher.")
 
@@ -280,7 +284,7 @@ def widened_note(pid: int, launcher: int) -> str:
     who = (f"rank {rank} of {world}" if rank is not None
            else "one of the ranks mp.spawn started")
     name = program_of(read_argv(launcher))[0] or "its launcher"
-    return (f"pid {pid} is {who}, under {name} (pid {launcher}): tracing its job, every "
+    return (f"pid {pid} is {who}, under {name} (pid {launcher}): taking its job, every "
             "rank under that launcher, since a straggler shows only against the other "
             "ranks (--only-named: the PIDs named alone)")
 
