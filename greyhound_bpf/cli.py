@@ -387,10 +387,9 @@ def cmd_inject(args) -> int:
     if args.fault is None:
         raise GreyhoundError("name a fault (compute, link, gpu-clock) or --undo-all")
     if args.fault == "compute":
-        period = None if args.period_ms is None else round(args.period_ms * 1e3)
-        fault = inject.CpuQuota(args.pid, args.quota, period_us=period)
+        fault = inject.CpuQuota(args.pid, args.quota, period_ms=args.period_ms)
         what = f"pid {args.pid} limited to {args.quota:g} CPU" + \
-            (f" per {args.period_ms:g} ms period" if period else "")
+            (f" per {args.period_ms:g} ms period" if args.period_ms else "")
     elif args.fault == "link":
         fault, what = inject.LinkRate(args.dev, args.rate), f"{args.dev} limited to {args.rate}"
     else:

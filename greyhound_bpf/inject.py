@@ -45,8 +45,8 @@ MIN_QUOTA_US = 1_000
 
 class CpuQuota:
     def __init__(self, pid: int, quota: float, controller: CpuController | None = None,
-                 period_us: int | None = None):
-        """`period_us`: the CFS period to enforce the quota over (default
+                 period_ms: float | None = None):
+        """`period_ms`: the CFS period to enforce the quota over (default
         PERIOD_US, or longer where the quota needs it). The kernel's own
         default, 100 ms, is what systemd's CPUQuota=, Docker's --cpus and
         Kubernetes' CPU limits use: a rank then runs unthrottled for part of
@@ -57,9 +57,9 @@ class CpuQuota:
             raise GreyhoundError(f"quota {quota} is below the kernel's 1 ms per second")
         if not os.path.exists(f"/proc/{pid}"):
             raise GreyhoundError(f"no process with PID {pid}")
-        if period_us is not None and not 1_000 <= period_us <= 1_000_000:
-            raise GreyhoundError(f"a CFS period is 1 ms to 1 s, not {period_us / 1e3:g} ms")
-        self.period_us = period_us
+        if period_ms is not None and not 1 <= period_ms <= 1_000:
+            raise GreyhoundError(f"a CFS period is 1 ms to 1 s, not {period_ms:g} ms")
+        self.period_us = None if period_ms is None else round(period_ms * 1e3)
         self.ctl = controller or cpu_controller()
         self.pid, self.quota = pid, quota
         self.name = f"{GROUP_PREFIX}{pid}-{uuid.uuid4().hex[:8]}"

@@ -69,9 +69,7 @@ class Fault:
         if spec["kind"] == "compute":
             self.used = cpu_share(pid, 2.0)
             self.quota = max(0.02, self.used * spec["share"])
-            period = spec.get("period_ms")
-            self.fault = CpuQuota(pid, self.quota,
-                                  period_us=None if period is None else int(period * 1000))
+            self.fault = CpuQuota(pid, self.quota, period_ms=spec.get("period_ms"))
         else:
             self.fault = LinkRate(bed.host_dev(spec["rank"]), spec["rate"])
         self.start_ns = self.end_ns = None

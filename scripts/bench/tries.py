@@ -43,11 +43,11 @@ NPROC = 4
 TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
-PERIOD_US = None            # --period-ms: the quota's CFS period (None: inject's default)
+PERIOD_MS = None            # --period-ms: the quota's CFS period (None: inject's default)
 
 
 def quota(pid: int, cpus: float) -> CpuQuota:
-    return CpuQuota(pid, max(0.02, cpus), period_us=PERIOD_US)
+    return CpuQuota(pid, max(0.02, cpus), period_ms=PERIOD_MS)
 
 
 def attached(t: Tracer) -> int | None:
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
                          "limits throttle)")
     args = ap.parse_args(argv)
-    global PERIOD_US
-    PERIOD_US = None if args.period_ms is None else int(args.period_ms * 1000)
+    global PERIOD_MS
+    PERIOD_MS = args.period_ms
     if os.geteuid() != 0:
         print("bench_tries: needs root (BPF, cgroups): sudo scripts/bench_tries", file=sys.stderr)
         return 1
