@@ -153,10 +153,9 @@ class CrossSection:
 
     def _window(self, lead: deque) -> int:
         """Iterations per look: `window`, or fewer spanning WINDOW_S."""
-        recent = [x[2] for x in list(lead)[-MIN_WINDOW:]]
-        if len(recent) < MIN_WINDOW:
+        n = _spanning(lead, WINDOW_S)
+        if n is None:
             return self.window
-        n = math.ceil(WINDOW_S * 1e3 / max(statistics.median(recent), 1e-3))
         return max(min(self.window, MIN_WINDOW), min(self.window, n))
 
     def _window_rows(self, n: int) -> dict[int, list] | None:
@@ -174,51 +173,47 @@ class CrossSection:
             return {r: mean / self._work[r] for r in win}     # compute at an even share
         return {r: 1.0 for r in win}
 
-    def _steady(self, win: dict) -> tuple[bool, dict]:
-        """The medians' test: the straggler slow in nearly every iteration."""
+    def _compare(self, win: dict, centre, bar: float) -> tuple[bool, dict, float, dict]:
+        """Each rank's compute (at an even share of the work) and wait by
+        `centre` over the window; the suspect is the rank computing most.
+        Whether it clears `bar` of the iteration and REL_EXCESS of the
+        others' compute while they wait WAIT_SHARE of that longer; the
+        numbers a verdict reports; the others' largest compute; the scale."""
         scale = self._scale(win)
-        comp = {r: scale[r] * statistics.median(x[3] for x in w) for r, w in win.items()}
-        comm = {r: statistics.median(x[4] for x in w) for r, w in win.items()}
-        it = statistics.median(x[2] for w in win.values() for x in w)
-        s = max(comp, key=comp.get)
-        others = [r for r in comp if r != s]
-        c_o = statistics.median(comp[r] for r in others)
-        w_o = statistics.median(comm[r] for r in others)
-        excess = comp[s] - c_o
-        top = max(comp[r] for r in others)
-        share = sum(scale[s] * x[3] > top for x in win[s]) / len(win[s])
-        ok = (excess >= self.excess * it and excess >= self.rel_excess * c_o
-              and w_o - comm[s] >= self.wait_share * excess and share >= self.consistent)
-        return ok, self._numbers(win, it, s, excess, w_o - comm[s], comp, comm,
-                                 consistent=round(share, 3))
-
-    def _intermittent(self, win: dict) -> tuple[bool, dict]:
-        """The trimmed means' test: the straggler slow in bursts, as a
-        container's CPU limit throttles (module docstring)."""
-        scale = self._scale(win)
-        comp = {r: scale[r] * _trimmed_mean([x[3] for x in w]) for r, w in win.items()}
-        comm = {r: _trimmed_mean([x[4] for x in w]) for r, w in win.items()}
+        comp = {r: scale[r] * centre([x[3] for x in w]) for r, w in win.items()}
+        comm = {r: centre([x[4] for x in w]) for r, w in win.items()}
         it = statistics.median(x[2] for w in win.values() for x in w)
         s = max(comp, key=comp.get)
         others = [r for r in comp if r != s]
         c_o = statistics.median(comp[r] for r in others)
         excess = comp[s] - c_o
         waited = statistics.median(comm[r] for r in others) - comm[s]
-        ok = (excess >= INTERMITTENT_EXCESS * it and excess >= self.rel_excess * c_o
+        ok = (excess >= bar * it and excess >= self.rel_excess * c_o
               and waited >= self.wait_share * excess)
-        least = _waits_least(win, s) if ok else None
-        ok = ok and least >= LEAST_WAIT
-        return ok, self._numbers(win, it, s, excess, waited, comp, comm,
-                                 waits_least=None if least is None else round(least, 3))
+        numbers = {"iteration_ms": round(it, 3), "suspect": s, "excess_ms": round(excess, 3),
+                   "waited_ms": round(waited, 3),
+                   "work": {str(r): n for r, n in sorted(self._work.items())}
+                   if self._work else None,
+                   "window": len(win[s]),
+                   "ranks": {str(r): {"compute_ms": round(comp[r], 3),
+                                      "comm_ms": round(comm[r], 3)} for r in sorted(comp)}}
+        return ok, numbers, max(comp[r] for r in others), scale
 
-    def _numbers(self, win, it, s, excess, waited, comp, comm, **more) -> dict:
-        return {"iteration_ms": round(it, 3), "suspect": s, "excess_ms": round(excess, 3),
-                "waited_ms": round(waited, 3), **more,
-                "work": {str(r): n for r, n in sorted(self._work.items())}
-                if self._work else None,
-                "window": len(win[s]),
-                "ranks": {str(r): {"compute_ms": round(comp[r], 3),
-                                   "comm_ms": round(comm[r], 3)} for r in sorted(comp)}}
+    def _steady(self, win: dict) -> tuple[bool, dict]:
+        """The medians' test: the straggler slow in nearly every iteration."""
+        ok, numbers, top, scale = self._compare(win, statistics.median, self.excess)
+        s = numbers["suspect"]
+        share = sum(scale[s] * x[3] > top for x in win[s]) / len(win[s])
+        numbers["consistent"] = round(share, 3)
+        return ok and share >= self.consistent, numbers
+
+    def _intermittent(self, win: dict) -> tuple[bool, dict]:
+        """The trimmed means' test: the straggler slow in bursts, as a
+        container's CPU limit throttles (module docstring)."""
+        ok, numbers, _, _ = self._compare(win, _trimmed_mean, INTERMITTENT_EXCESS)
+        least = _waits_least(win, numbers["suspect"]) if ok else None
+        numbers["waits_least"] = None if least is None else round(least, 3)
+        return ok and least >= LEAST_WAIT, numbers
 
     def _look(self, ev: dict, n: int) -> list[Diagnosis]:
         win = self._window_rows(n)
@@ -228,8 +223,7 @@ class CrossSection:
         intermittent = False
         if not ok:
             lead = self.rows[self._lowest]
-            m = min(lead.maxlen, max(n, math.ceil(INTERMITTENT_WINDOW_S * 1e3 / max(
-                statistics.median(x[2] for x in list(lead)[-n:]), 1e-3))))
+            m = min(lead.maxlen, max(n, _spanning(lead, INTERMITTENT_WINDOW_S) or n))
             wide = self._window_rows(m) if len(lead) >= m else None
             if wide is not None:
                 ok, numbers = self._intermittent(wide)
@@ -269,6 +263,15 @@ class CrossSection:
                           f"{how} while they wait {self.last['waited_ms']:.1f} ms longer in "
                           "collectives: it is the straggler now, whatever the job did before",
                           ev.get("index"), (s,), details=details)]
+
+
+def _spanning(lead: deque, seconds: float) -> int | None:
+    """How many iterations span `seconds` at the lowest rank's recent pace
+    (None before MIN_WINDOW iterations)."""
+    recent = [x[2] for x in list(lead)[-MIN_WINDOW:]]
+    if len(recent) < MIN_WINDOW:
+        return None
+    return math.ceil(seconds * 1e3 / max(statistics.median(recent), 1e-3))
 
 
 def _trimmed_mean(values: list[float]) -> float:
