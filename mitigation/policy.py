@@ -222,10 +222,15 @@ class SkiRentalPolicy(FaultGone):
             return []
         if kind == "recovery" and ev.get("scope") == "job":
             e = self.episode
-            back = e is not None and (e.healthy_ms is None or
+            # Over before any plan: a blip, or it eased. Back at its healthy
+            # speed; or, with no rank named, wherever the detector says it
+            # recovered to: a busy host's episode begun from a quiet stretch
+            # ("healthy" 31.6 ms, the job's own log 50.9) otherwise lasted
+            # into the next fault and judged its trial against that.
+            back = e is not None and (e.healthy_ms is None or e.straggler is None or
                                       float(ev["after_ms"]) <= e.healthy_ms * (1 + RECOVERED))
             if back and not e.changes and self.planned is None and self._is_even():
-                self.episode = None          # over before any plan: a blip, or it eased
+                self.episode = None
             return []
         if kind == "diagnosis":
             return self._diagnosis(ev)

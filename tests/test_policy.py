@@ -657,3 +657,37 @@ def test_a_refinement_counts_each_ranks_fixed_time_from_two_splits():
                 if sum(c) == 32), key=iteration)
     assert got == pytest.approx(iteration(best))
     assert max(job.split.values()) - min(n for r, n in job.split.items() if r != 2) <= 1
+
+
+def recovery(job, before, after, index):
+    return {"kind": "recovery", "scope": "job", "index": index, "detected_index": index,
+            "before_ms": before, "after_ms": after, "ratio": after / before,
+            "probability": 1.0, "time_ns": job.now, "onset_ns": job.starts[index]}
+
+
+def test_a_host_episode_with_nothing_named_ends_at_its_recovery():
+    # A busy host's slowdown measured from a quiet stretch (before 8 ms, the
+    # job's usual 10): its recovery lands at 9.5, over 15% above that
+    # "healthy", with no rank named and nothing planned. The episode ends
+    # there, so the fault after it is judged against its own before (10),
+    # not the quiet stretch (CI's demo: a trial read "the fault lasts"
+    # against 31.6 ms where the job's own log ran 50.9).
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    pol.observe(slowdown(job, 8.0, 12.0, 18, 20))
+    run(pol, job, 10)
+    pol.observe(recovery(job, 12.0, 9.5, 28))
+    assert pol.episode is None
+    run(pol, job, 10)
+    job.t[2] = 2.0
+    run(pol, job, 4)
+    pol.observe(slowdown(job, 10.0, 18.0, 40, 44))
+    assert pol.episode.healthy_ms == 10.0
+    # Once a rank is named, a recovery short of healthy keeps the episode:
+    # the fault eased, it is not gone.
+    run(pol, job, 4)
+    pol.observe(verdict(job, [2]))
+    pol.observe(recovery(job, 18.0, 14.0, 46))
+    assert pol.episode is not None and pol.episode.straggler == 2
