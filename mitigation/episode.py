@@ -19,10 +19,22 @@ class Rank:
     dur_ms: deque
     compute_ms: deque
     count: deque                  # micro-batches this rank ran in each sample
+    p2p_ms: deque                 # of its waits, in point-to-point calls (a pipeline's)
+
+    def _queues(self) -> tuple:
+        return self.end_ns, self.dur_ms, self.compute_ms, self.count, self.p2p_ms
 
     def clear(self) -> None:
-        for q in (self.end_ns, self.dur_ms, self.compute_ms, self.count):
+        for q in self._queues():
             q.clear()
+
+    def keep_after(self, ns: int) -> None:
+        """Only the samples that ended after `ns`."""
+        keep = [x for x in zip(*self._queues()) if x[0] > ns]
+        self.clear()
+        for x in keep:
+            for q, v in zip(self._queues(), x):
+                q.append(v)
 
     def recent(self, span_ns: int, least: int) -> int:
         """Where the recent samples begin: those that ended within `span_ns`

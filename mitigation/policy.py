@@ -242,14 +242,7 @@ class SkiRentalPolicy(FaultGone):
         self.episode = _Episode(onset_ns, healthy_ms)
         self.job_history.clear()
         for r in self.ranks.values():
-            # Speeds from the slow iterations only.
-            keep = [x for x in zip(r.end_ns, r.dur_ms, r.compute_ms, r.count) if x[0] > onset_ns]
-            r.clear()
-            for e, d, c, n in keep:
-                r.end_ns.append(e)
-                r.dur_ms.append(d)
-                r.compute_ms.append(c)
-                r.count.append(n)
+            r.keep_after(onset_ns)       # speeds from the slow iterations only
 
     def _diagnosis(self, ev: dict) -> list[Decision]:
         cause, ranks, evidence = ev.get("cause"), ev.get("ranks") or [], ev.get("evidence")
@@ -324,8 +317,7 @@ class SkiRentalPolicy(FaultGone):
         keep = max(4 * self.window, SAMPLES_KEPT)
         r = self.ranks.get(rank)
         if r is None:
-            r = self.ranks[rank] = _Rank(deque(maxlen=keep), deque(maxlen=keep),
-                                         deque(maxlen=keep), deque(maxlen=keep))
+            r = self.ranks[rank] = _Rank(*(deque(maxlen=keep) for _ in range(5)))
             self._lowest = min(self.ranks)      # (asked for every rank's every iteration)
         split = self._current_split()
         dp = self._dp(rank)
@@ -333,6 +325,7 @@ class SkiRentalPolicy(FaultGone):
         r.dur_ms.append(ev["dur_ns"] / 1e6)
         r.compute_ms.append(ev["compute_ns"] / 1e6)
         r.count.append(split.get(dp) if split else None)
+        r.p2p_ms.append(ev.get("p2p_ns", 0) / 1e6)
         self._now_ns = max(self._now_ns, end)
         if rank != self._lowest:
             return []

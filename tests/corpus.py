@@ -65,7 +65,8 @@ def replay(name: str, **config) -> list[dict]:
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
 
 
-ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns")
+ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns",
+                    "p2p_ns")
 
 
 def iterations_by_rank(events: list[dict]) -> dict[int, list[dict]]:

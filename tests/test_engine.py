@@ -323,3 +323,25 @@ def test_changepoints_defaults_are_the_textbook_model_on_a_real_series():
     want = reference_changepoints(z, 1 / 100, 0.0, 1.0, 1.0, 1.0)
     assert len(want) > 10
     assert changepoints(x) == want
+
+
+def test_p2p_time_is_the_share_of_comm_spent_in_point_to_point_calls():
+    # Mark every other call type point-to-point: each iteration's p2p_ns is
+    # the union of those calls' waits inside it, part of comm_ns; with none
+    # marked it is 0, and nothing else about the iterations changes.
+    cs = call_stream(6, n_iter=300, seed=5)
+    p2p = cs.types % 2 == 1
+    est = IterationEstimator()
+    out = est.feed(cs.types, cs.start_ns, cs.dur_ns, cs.blocking, p2p)
+    recs = [o for o in out if isinstance(o, IterationRecord)]
+    _, plain, _ = estimate(cs, batch=len(cs.types))
+    assert [(r.start_ns, r.dur_ns, r.comm_ns) for r in recs] == \
+        [(r.start_ns, r.dur_ns, r.comm_ns) for r in plain]
+    assert all(r.p2p_ns == 0 for r in plain) and len(recs) > 200
+    ends = cs.start_ns + cs.dur_ns
+    for r in recs[::25]:
+        inside = (cs.start_ns >= r.start_ns) & (ends <= r.start_ns + r.dur_ns) & cs.blocking
+        want = int(cs.dur_ns[inside & p2p].sum())     # one thread: no overlaps
+        assert 0 < r.p2p_ns < r.comm_ns and r.p2p_ns == pytest.approx(want, rel=0.05)
+    with pytest.raises(ValueError):
+        IterationEstimator().feed(cs.types, cs.start_ns, cs.dur_ns, cs.blocking, p2p[:-1])

@@ -224,7 +224,7 @@ class Agent:
         if pid is None:
             return                   # not a rank (no RANK): nothing the job-wide view can use
         item = {k: ev[k] for k in ("index", "start_ns", "dur_ns", "period_calls", "comm_ns",
-                                   "compute_ns")}
+                                   "compute_ns", "p2p_ns") if k in ev}
         if ev.get("disturbed"):
             item["disturbed"] = ev["disturbed"]
         self.pending.setdefault(pid, []).append(item)

@@ -25,11 +25,13 @@ class IterationRecord:
     period_calls: int    # calls in this iteration
     comm_ns: int         # time inside blocking calls (union over threads)
     compute_ns: int      # dur_ns - comm_ns
+    p2p_ns: int = 0      # of comm_ns, inside point-to-point calls (a pipeline's sends)
 
     def fields(self) -> dict:
         return {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
                 "dur_ns": self.dur_ns, "period_calls": self.period_calls,
-                "comm_ns": self.comm_ns, "compute_ns": self.compute_ns}
+                "comm_ns": self.comm_ns, "compute_ns": self.compute_ns,
+                "p2p_ns": self.p2p_ns}
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class IterationEstimator:
         self._start = np.empty(0, dtype=np.int64)
         self._end = np.empty(0, dtype=np.int64)
         self._block = np.empty(0, dtype=bool)
+        self._p2p = np.empty(0, dtype=bool)
         self._gap = np.empty(0, dtype=np.int64)
         self._offset = 0            # global call index of buffer position 0
         self._last_call_start = None
@@ -126,18 +129,22 @@ class IterationEstimator:
 
     # -- feeding -----------------------------------------------------------------
 
-    def feed(self, types, start_ns, dur_ns, blocking=None) -> list:
+    def feed(self, types, start_ns, dur_ns, blocking=None, p2p=None) -> list:
         """Add calls (in start order); returns IterationRecords and
         PatternChanges in the order they happened. The result does not
-        depend on how the calls are split into batches."""
+        depend on how the calls are split into batches. `blocking`: calls
+        the host waits in (all, if not given); `p2p`: which of them are
+        point-to-point (none, if not given)."""
         types = np.asarray(types, dtype=np.int64)
         start = np.asarray(start_ns, dtype=np.int64)
         dur = np.asarray(dur_ns, dtype=np.int64)
         block = (np.ones(len(types), dtype=bool) if blocking is None
                  else np.asarray(blocking, dtype=bool))
-        if not (types.ndim == start.ndim == dur.ndim == block.ndim == 1
-                and len(types) == len(start) == len(dur) == len(block)):
-            raise ValueError("types, start_ns, dur_ns and blocking differ in length")
+        pp = (np.zeros(len(types), dtype=bool) if p2p is None
+              else np.asarray(p2p, dtype=bool))
+        if not (types.ndim == start.ndim == dur.ndim == block.ndim == pp.ndim == 1
+                and len(types) == len(start) == len(dur) == len(block) == len(pp)):
+            raise ValueError("types, start_ns, dur_ns, blocking and p2p differ in length")
         if len(types) == 0:
             return []
         if types.min() < 0:
@@ -150,11 +157,12 @@ class IterationEstimator:
             j = len(types)
             if self.state != "locked":
                 j = min(j, i + max(1, self._try_at - self._seen))
-            out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j])
+            out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j],
+                              pp[i:j])
             i = j
         return out
 
-    def _feed(self, types, start, end, block) -> list:
+    def _feed(self, types, start, end, block, p2p) -> list:
         prev = self._last_call_start if self._last_call_start is not None else start[0]
         gap = np.diff(start, prepend=prev)
         self._last_call_start = int(start[-1])
@@ -162,6 +170,7 @@ class IterationEstimator:
         self._start = np.concatenate([self._start, start])
         self._end = np.concatenate([self._end, end])
         self._block = np.concatenate([self._block, block])
+        self._p2p = np.concatenate([self._p2p, p2p])
         self._gap = np.concatenate([self._gap, gap])
         self._seen += len(types)
         out: list = []
@@ -326,7 +335,9 @@ class IterationEstimator:
         e_ = np.clip(self._end[a:b][sel], start, stop)
         dur = max(stop - start, 1)
         comm = min(int(_kernels.union_ns(s_, e_)), dur)
-        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm)
+        pp = self._p2p[a:b][sel]
+        p2p = min(int(_kernels.union_ns(s_[pp], e_[pp])), comm)
+        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm, p2p)
 
     def _trim(self) -> None:
         keep_from = len(self._types) - self.window
@@ -334,7 +345,7 @@ class IterationEstimator:
             keep_from = min(keep_from, self._last_anchor - self._offset - (self.period or 0))
         keep_from = min(keep_from, self._scanned - self._offset - self.anchor_k)
         if keep_from > 0:
-            for name in ("_types", "_start", "_end", "_block", "_gap"):
+            for name in ("_types", "_start", "_end", "_block", "_p2p", "_gap"):
                 setattr(self, name, getattr(self, name)[keep_from:])
             self._offset += keep_from
 
