@@ -16,8 +16,9 @@ attach, a fault the job-level detector missed). Within it:
    unknown one it would be a guess.
 2. **How fast.** Each rank's compute per micro-batch (compute time over the
    micro-batches it ran), a mean over the last SPEED_SPAN_S of the episode's
-   samples taken under the split in force (a CFS quota's bursts: the median
-   reads the fast iterations). The straggler must measure slower than the others'
+   samples taken under the split in force and, before any plan, since the
+   job's speed last moved (a CFS quota's bursts: the median reads the fast
+   iterations). The straggler must measure slower than the others'
    median by MIN_SLOWER; where host-side compute cannot show it (GPUs: NCCL
    is asynchronous) but validation measured its device slow, its speed is
    the others' times its measured GEMM ratio.
@@ -38,19 +39,14 @@ attach, a fault the job-level detector missed). Within it:
    in which the straggler's count only goes down.
 6. **Is the fault gone?** Evidence that does not depend on the plan: a
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
-   after the plan was applied and then at doubling intervals (the
-   validation budget applies); a validated verdict that measures it healthy
-   returns the even split and ends the episode. With validation off, a
-   recheck refused, or where a trial costs less than the recheck's pause (the
-   last one measured: the whole job stops, while a trial only runs slower for
-   a moment), a trial return to the even split on that schedule: if the job
-   runs nearer healthy than the even split in the fault (or within RECOVERED
-   of healthy) over `window`
-   iterations and at least `trial_min_s` (a CFS quota throttles in 100 ms
-   bursts: its iterations are fast or stalled, so the trial reads their mean,
-   not a median), it stays; if not, the plan returns (a trial and its revert
-   are not plan changes; their cost is bounded by the doubling;
-   mitigation.gone).
+   after the plan was applied and then at doubling intervals (the validation
+   budget applies); a validated verdict that measures it healthy returns the
+   even split and ends the episode. With validation off, a recheck refused,
+   or where a trial costs less than the recheck's pause, a trial return to
+   the even split on that schedule: if the job runs nearer healthy than the
+   even split in the fault (or within RECOVERED of healthy) over `window`
+   iterations and at least `trial_min_s` (their mean: a CFS quota's bursts),
+   it stays; if not, the plan returns (mitigation.gone).
 7. **At most MAX_CHANGES plan changes per episode**, besides the return to
    even.
 8. **Restarts (S3/S4)** when the trainer can checkpoint and the loss a
@@ -219,19 +215,16 @@ class SkiRentalPolicy(FaultGone):
                 lag = max(0, int(ev["detected_index"]) - int(ev["index"]))
                 self.episode.loss_ms = lag * max(0.0, float(ev["after_ms"])
                                                  - float(ev["before_ms"]))
-            return []
+            return self._moved(ev)
         if kind == "recovery" and ev.get("scope") == "job":
             e = self.episode
-            # Over before any plan: a blip, or it eased. Back at its healthy
-            # speed; or, with no rank named, wherever the detector says it
-            # recovered to: a busy host's episode begun from a quiet stretch
-            # ("healthy" 31.6 ms, the job's own log 50.9) otherwise lasted
-            # into the next fault and judged its trial against that.
+            # Over before any plan (a blip, or it eased): back at healthy, or, with
+            # no rank named, wherever it recovered to (test_policy: a busy host's).
             back = e is not None and (e.healthy_ms is None or e.straggler is None or
                                       float(ev["after_ms"]) <= e.healthy_ms * (1 + RECOVERED))
             if back and not e.changes and self.planned is None and self._is_even():
                 self.episode = None
-            return []
+            return self._moved(ev)
         if kind == "diagnosis":
             return self._diagnosis(ev)
         return []
@@ -243,6 +236,15 @@ class SkiRentalPolicy(FaultGone):
         self.job_history.clear()
         for r in self.ranks.values():
             r.keep_after(onset_ns)       # speeds from the slow iterations only
+
+    def _moved(self, ev: dict) -> list:
+        """The job's speed moved in an episode before any plan: speeds from the new
+        level only (a plan on samples of two levels fits neither: test_pipeline)."""
+        e = self.episode
+        if e is not None and not e.changes and self.planned is None:
+            for r in self.ranks.values():
+                r.keep_after(int(ev["onset_ns"]))
+        return []
 
     def _diagnosis(self, ev: dict) -> list[Decision]:
         cause, ranks, evidence = ev.get("cause"), ev.get("ranks") or [], ev.get("evidence")

@@ -691,3 +691,39 @@ def test_a_host_episode_with_nothing_named_ends_at_its_recovery():
     pol.observe(verdict(job, [2]))
     pol.observe(recovery(job, 18.0, 14.0, 46))
     assert pol.episode is not None and pol.episode.straggler == 2
+
+
+def test_a_plan_is_sized_on_the_jobs_latest_level_only():
+    # Stage 1's fault bites harder 30 iterations in (a quota's 2x becomes
+    # 4x: test_pipeline saw 190 then 310 ms per iteration). The detector
+    # reports the second step as a further slowdown; the re-split made
+    # after it is sized on the 4x samples alone, not on a mix of both.
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, restart_estimate_s=0.4)
+    announced = {r: {"rank": r, "dp_rank": 0, "seq": 0, "stage": r, "checkpoint": True,
+                     "layer_split": [4, 4]} for r in range(2)}
+    pol.acks(announced)
+    now, out, starts = 0, [], {}
+
+    def slow(i, before, after):
+        return {"kind": "slowdown", "scope": "job", "index": i, "detected_index": i + 2,
+                "before_ms": before, "after_ms": after, "ratio": after / before,
+                "probability": 1.0, "time_ns": now, "onset_ns": starts[i]}
+    for i in range(120):
+        starts[i] = now
+        c = 8.0 if i < 20 else 16.0 if i < 50 else 32.0
+        if i == 22:
+            out += pol.observe(slow(20, 10.0, 18.0))
+            out += pol.observe({"kind": "diagnosis", "evidence": "passive",
+                                "cause": "computation", "ranks": [1], "time_ns": now,
+                                "details": {}, "reason": "test"})
+        if i == 52:
+            out += pol.observe(slow(50, 18.0, 34.0))
+        dur = c + 2.0
+        for r in range(2):
+            cr = c if r == 1 else 8.0
+            out += pol.observe({"kind": "iteration", "rank": r, "index": i, "start_ns": now,
+                                "dur_ns": int(dur * 1e6), "compute_ns": int(cr * 1e6),
+                                "comm_ns": int((dur - cr) * 1e6)})
+        now += int(dur * 1e6)
+    (p,) = [d for d in out if d.strategy == "reconfigure_pipeline"]
+    assert p.numbers["compute_ms"] == [8.0, 32.0], p.numbers
