@@ -24,8 +24,10 @@ Each round runs, in one run on one machine:
 It prints per round and as medians: healthy / slowed / re-split / ideal
 iteration time (from the trainer's own log, start to start), the plan's
 prediction against what its split measured (goal within 10%), the model's
-prediction for every split against the sweep, and how many seconds of
-fault the re-split needs to pay its measured restart cost back.
+prediction for every split against the sweep, the same for the model
+before it (everything scaled with the stages' compute) on the same
+figures, and how many seconds of fault the re-split needs to pay its
+measured restart cost back.
 
     sudo scripts/bench_mitigation --pipeline              # 2 rounds, quota 0.15 CPU
     sudo scripts/bench_mitigation --pipeline --rounds 1 --quota 0.25
