@@ -49,13 +49,14 @@ def stage_times(announced: dict, ranks: dict, layer_split, recent: int = 32
     calls is its own work; the others' is mostly waiting for it: theirs is
     taken as the same calls at their own speed (compute per layer), at most
     what they measured."""
+    def med(q):
+        return statistics.median(list(q)[-recent:])
     rows = []
     for st in range(len(layer_split)):
         mine = [r for rank, r in ranks.items() if r.compute_ms
                 and announced.get(rank, {}).get("stage") == st]
         if not mine:
             return None
-        med = lambda q: statistics.median(list(q)[-recent:])  # noqa: E731
         r = max(mine, key=lambda r: med(r.compute_ms))
         c, d = med(r.compute_ms), med(r.dur_ms)
         p = min(med(r.p2p_ms), max(0.0, d - c)) if r.p2p_ms else 0.0
