@@ -18,7 +18,8 @@ import pytest
 
 from conftest import loud_skip, run_cli, wait_for
 from greyhound_bpf.diagnosis.cpu import _cgroup_mounts, remove_stale_idle_groups
-from greyhound_bpf.inject import CpuQuota, cgroup_path, cpu_controller, leftover_groups
+from greyhound_bpf.inject import (GROUP_PREFIX, CpuQuota, cgroup_path, cpu_controller,
+                                  leftover_groups)
 # Run again here, under v2 (pytest collects what a module imports).
 from test_detect_live import test_cpu_quota_is_undone_without_leftovers  # noqa: F401
 from test_inject import (sleeper, test_compute_for_expires,  # noqa: F401
@@ -64,6 +65,25 @@ def _spare_controller() -> str | None:
     return next((c for c in ("net_cls", "net_prio", "perf_event") if c in free), None)
 
 
+def _cpu_hierarchy_groups() -> int:
+    """Groups the kernel still holds in the cpu controller's hierarchy, its
+    root and removed ones not yet freed included (/proc/cgroups)."""
+    rows = [ln.split() for ln in Path("/proc/cgroups").read_text().splitlines()[1:]]
+    return next(int(r[2]) for r in rows if r[0] == "cpu")
+
+
+def _remove_orphaned_injections(mnt: Path) -> None:
+    """Quota groups of ours (greyhound-PID-*) left by an injector killed
+    with SIGKILL whose target has exited too: empty, so nothing of anyone's
+    is lost by removing them. A group whose target still runs is another
+    injection in progress, and stays (the fixture then refuses to move)."""
+    for g in mnt.glob(f"{GROUP_PREFIX}*"):
+        pid = g.name[len(GROUP_PREFIX):].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}") \
+                and not (g / "tasks").read_text().split():
+            g.rmdir()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_on_v2():
     ctl = cpu_controller()
@@ -74,8 +94,13 @@ def cpu_on_v2():
     v1 = _v1_cpu_mount()
     assert v2 is not None and v1 is not None, "no cgroup2 mount to move the cpu controller to"
     remove_stale_idle_groups(ctl)      # a SIGKILLed tracer's, empty: not the machine's
+    _remove_orphaned_injections(v1[0])
     groups = [d for d in v1[0].iterdir() if d.is_dir()]
     assert not groups, f"the v1 cpu hierarchy holds groups {groups[:3]}: cannot move it"
+    # A group just removed lingers in the kernel a moment (its count in
+    # /proc/cgroups): unmounted then, the hierarchy would stay, cpu with it.
+    wait_for(lambda: _cpu_hierarchy_groups() == 1, 30,
+             "groups removed from the v1 cpu hierarchy to be freed", interval=0.1)
     r = subprocess.run(["umount", str(v1[0])], capture_output=True, text=True)
     spare = None
     if r.returncode != 0:

