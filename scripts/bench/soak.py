@@ -106,6 +106,17 @@ def main(argv=None) -> int:
     print(f"bench_soak: {wall / 60:.1f} min, {args.nproc} healthy {args.trainer} ranks")
     print(f"  job slowdowns {len(slow)}, unconfirmed by the job's own log {len(unconfirmed)} "
           f"(goal 0)")
+    for e in unconfirmed:
+        # What the detector read against what the job's own log shows over
+        # the same windows (corpus.confirmed's), so that a reader can judge.
+        onset, after_ns = e["onset_ns"], max(e["time_ns"] - e["onset_ns"],
+                                             int(3 * e["after_ms"] * 1e6))
+        before = corpus._job_ms(log, onset - int(50 * e["before_ms"] * 1e6), onset)
+        after = corpus._job_ms(log, onset, onset + after_ns)
+        print(f"    at {(onset - t0) / 1e9:.1f} s: the detector {e['before_ms']:.1f} -> "
+              f"{e['after_ms']:.1f} ms (x{e['ratio']:.2f}, p {e['probability']:.2f}); the "
+              f"job's log {before or float('nan'):.1f} -> {after or float('nan'):.1f} ms over "
+              f"{after_ns / 1e9:.2f} s")
     print(f"  diagnoses naming a cause {len(named)} (goal 0); plans {len(plans)} (goal 0)")
     for e in named:
         print(f"    {e['evidence']} {e['cause']} {e['ranks']}: {e['reason'][:100]}")
