@@ -108,14 +108,20 @@ def _job_ms(t: dict, lo_ns: int, hi_ns: int) -> float | None:
     return statistics.median(d) if len(d) >= 3 else None
 
 
-def confirmed(t: dict, e: dict) -> bool:
-    """The job's own log shows it slower over the slowdown's own windows: the
-    ~50 iterations its detector compared with before the onset, and the new
-    level until it was detected (at least 3 iterations)."""
+def log_readings(t: dict, e: dict) -> tuple[float | None, float | None, int]:
+    """The job's own log over a slowdown's own windows: its iteration (ms)
+    over the ~50 iterations the detector compared with before the onset,
+    and over the new level until it was detected (at least 3 iterations);
+    and that second window's length (ns)."""
     onset, before_ns = e["onset_ns"], int(50 * e["before_ms"] * 1e6)
     after_ns = max(e["time_ns"] - onset, int(3 * e["after_ms"] * 1e6))
-    before = _job_ms(t, onset - before_ns, onset)
-    after = _job_ms(t, onset, onset + after_ns)
+    return (_job_ms(t, onset - before_ns, onset), _job_ms(t, onset, onset + after_ns),
+            after_ns)
+
+
+def confirmed(t: dict, e: dict) -> bool:
+    """The job's own log shows it slower over the slowdown's own windows."""
+    before, after, _ = log_readings(t, e)
     return before is not None and after is not None and after >= CONFIRM_RATIO * before
 
 

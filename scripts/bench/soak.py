@@ -109,11 +109,8 @@ def main(argv=None) -> int:
     for e in unconfirmed:
         # What the detector read against what the job's own log shows over
         # the same windows (corpus.confirmed's), so that a reader can judge.
-        onset, after_ns = e["onset_ns"], max(e["time_ns"] - e["onset_ns"],
-                                             int(3 * e["after_ms"] * 1e6))
-        before = corpus._job_ms(log, onset - int(50 * e["before_ms"] * 1e6), onset)
-        after = corpus._job_ms(log, onset, onset + after_ns)
-        print(f"    at {(onset - t0) / 1e9:.1f} s: the detector {e['before_ms']:.1f} -> "
+        before, after, after_ns = corpus.log_readings(log, e)
+        print(f"    at {(e['onset_ns'] - t0) / 1e9:.1f} s: the detector {e['before_ms']:.1f} -> "
               f"{e['after_ms']:.1f} ms (x{e['ratio']:.2f}, p {e['probability']:.2f}); the "
               f"job's log {before or float('nan'):.1f} -> {after or float('nan'):.1f} ms over "
               f"{after_ns / 1e9:.2f} s")
