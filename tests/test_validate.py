@@ -115,6 +115,21 @@ def test_edges_between_nodes_are_judged_against_their_own_kind():
     assert (d["cause"], d["link"]) == ("unknown", None), d["reason"]
 
 
+def test_one_slow_edge_inside_a_node_is_not_two_slow_links():
+    """Two nodes of two ranks, a slow device on n1 while n0's one edge
+    inside it reads 2.15x n1's (a busy host's CPU, seen in CI): ranks 0 and 1
+    have no edge but each other, so that is one slow edge (under the edge
+    rule's 3x), not their two links, and the device is named alone."""
+    res = result({0: 3.9, 1: 3.7, 2: 72.6, 3: 4.5},
+                 {(0, 1): 7.43, (0, 3): 8.27, (1, 2): 7.72, (2, 3): 3.45})
+    res.nodes = {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    d = decide(res)
+    assert (d["cause"], d["ranks"], d["link"]) == ("computation", [2], None), d["reason"]
+    # A rank with an edge to a fast rank is still its link's evidence.
+    rtt = {**RING4, (0, 1): 60.0, (1, 2): 58.0}
+    assert decide(result({r: 3.0 for r in range(4)}, rtt))["link"] == "rank 1"
+
+
 def test_healthy_noise_is_unknown():
     d = decide(result({0: 3.0, 1: 3.6, 2: 3.3, 3: 2.8},
                       {(0, 1): 3.0, (1, 2): 4.0, (2, 3): 3.5, (0, 3): 2.9}))

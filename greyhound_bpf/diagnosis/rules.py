@@ -17,7 +17,10 @@ devices differ by a few percent, and a MAD of 0 would flag noise).
 - a rank's *link* is slow when even its fastest edge's round trip is
   >= LINK_SLOW_RATIO (2x) the reference and ROBUST_Z spreads above it: a
   rank's own NIC or veth bounds every edge it is on, and any other rank has
-  at least one fast edge left. Links get 2x, not 1.5x, because the speed a
+  at least one fast edge left. That needs one of its edges to reach a rank
+  whose link is fast: two ranks whose only edge is each other (a node's two
+  ranks, judged inside the node) show one slow edge, not two slow links,
+  and go to the edge rule. Links get 2x, not 1.5x, because the speed a
   host measures on a link also depends on the CPU that moves the bytes
   (TCP stack, copies): CPU contention alone makes edges of a healthy
   2-core host differ by up to ~1.5x (seen in tests/test_validate's
@@ -165,7 +168,7 @@ def _rank_links(rtt: dict):
     if len(best) < 3:
         return None, {}
     ref, _, slow = outliers(best, LINK_SLOW_RATIO)
-    return ref, slow
+    return ref, _shown_by_a_fast_end(slow, [(a, b) for a, b in rtt])
 
 
 def _node_links(rtt: dict, nodes: dict[int, str]):
@@ -182,7 +185,18 @@ def _node_links(rtt: dict, nodes: dict[int, str]):
     if len(best) < 3:
         return None, {}                 # two nodes: either end could be the slow one
     ref, _, slow = outliers(best, LINK_SLOW_RATIO)
-    return ref, slow
+    return ref, _shown_by_a_fast_end(slow, [(nodes[a], nodes[b]) for a, b in rtt
+                                            if a in nodes and b in nodes
+                                            and nodes[a] != nodes[b]])
+
+
+def _shown_by_a_fast_end(slow: dict, edges: list) -> dict:
+    """Those of the slow ranks (or nodes) with an edge to one that is not
+    slow. Ends whose every edge joins another slow end (the two ranks of a
+    node whose only edge inside it is each other) rest on one slow edge, not
+    on a link each: the edge rule judges that."""
+    return {k: v for k, v in slow.items()
+            if any(o not in slow for a, b in edges if k in (a, b) for o in (a, b) if o != k)}
 
 
 def link_suspects(rtt: dict) -> set:
