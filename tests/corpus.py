@@ -110,10 +110,13 @@ def _job_ms(t: dict, lo_ns: int, hi_ns: int) -> float | None:
 
 def log_readings(t: dict, e: dict) -> tuple[float | None, float | None, int]:
     """The job's own log over a slowdown's own windows: its iteration (ms)
-    over the ~50 iterations the detector compared with before the onset,
-    and over the new level until it was detected (at least 3 iterations);
-    and that second window's length (ns)."""
-    onset, before_ns = e["onset_ns"], int(50 * e["before_ms"] * 1e6)
+    over the iterations the detector compared with before the onset (from
+    `baseline_ns`; about 50 in recordings older than that field), and over
+    the new level until it was detected (at least 3 iterations); and that
+    second window's length (ns)."""
+    onset = e["onset_ns"]
+    before_ns = max(onset - e.get("baseline_ns", onset - int(50 * e["before_ms"] * 1e6)),
+                    int(3 * e["before_ms"] * 1e6))
     after_ns = max(e["time_ns"] - onset, int(3 * e["after_ms"] * 1e6))
     return (_job_ms(t, onset - before_ns, onset), _job_ms(t, onset, onset + after_ns),
             after_ns)

@@ -345,3 +345,31 @@ def test_p2p_time_is_the_share_of_comm_spent_in_point_to_point_calls():
         assert 0 < r.p2p_ns < r.comm_ns and r.p2p_ns == pytest.approx(want, rel=0.05)
     with pytest.raises(ValueError):
         IterationEstimator().feed(cs.types, cs.start_ns, cs.dur_ns, cs.blocking, p2p[:-1])
+
+
+# -- the job's pace ---------------------------------------------------------------
+
+def test_the_job_detector_reads_the_leaders_pace():
+    """The job's iteration time is the lowest rank's, start to start (the
+    ranks are held in step): another rank whose own iterations read 2x for
+    a while (its anchor slipped) is no job slowdown, and the leader's 30%
+    is one, with the window its `before_ms` was read over."""
+    from greyhound_bpf.engine.pipeline import JobPipeline
+    from greyhound_bpf.probe.catalog import load_catalog
+    rng = np.random.default_rng(5)
+    pipe = JobPipeline(load_catalog())
+    pipe.add_rank(0, 0)
+    pipe.add_rank(1, 1)
+    t, events = 0, []
+    for i in range(400):
+        ms = 40.0 * (1.3 if i >= 300 else 1.0) * math.exp(rng.normal(0, 0.03))
+        other = ms * (2.0 if 100 <= i < 200 else 1.0)
+        for key, d in ((1, other), (0, ms)):
+            rec = IterationRecord(key, i, t, int(d * 1e6), 10, int(d * 2e5), int(d * 8e5))
+            events += pipe.feed_iterations(key, [rec])
+        t += int(ms * 1e6)
+    job = [f for kind, f, _ in events if kind in ("slowdown", "recovery") and f["scope"] == "job"]
+    assert len(job) == 1 and job[0]["index"] in range(300, 306), job
+    s = job[0]
+    assert abs(s["before_ms"] / 40.0 - 1) < 0.05 and abs(s["ratio"] / 1.3 - 1) < 0.06, s
+    assert s["baseline_index"] < s["index"] and s["baseline_ns"] < s["onset_ns"], s

@@ -96,7 +96,7 @@ def test_state_from_events():
         "after_ms": 20, "ratio": 2, "probability": 1, "time_ns": 0})
     st({"kind": "slowdown", "scope": "rank", "rank": 1, "index": 4, "detected_index": 4,
         "before_ms": 10, "after_ms": 20, "ratio": 2, "probability": 1, "time_ns": 0})
-    assert list(st.history) == [10.0] + [10.5] * 4  # median of the ranks' latest
+    assert list(st.history) == [10.0] * 5           # the lowest rank's: the job's pace
     assert st.marks_in_history() == ((5, "slowdown"),)
     assert st.stragglers == {1} and len(st.log) == 2
     assert sparkline([1, 2, 3], 10) == "▁▅█" and sparkline([5, 5], 4) == "▁▁"

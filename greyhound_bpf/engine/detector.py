@@ -32,6 +32,7 @@ class ChangePoint:
     after_ms: float
     ratio: float         # after / before
     probability: float   # posterior mass of a change within the new segment
+    baseline_at: int = -1  # observation index where the window of before_ms begins
 
     def fields(self) -> dict:
         return {"scope": self.scope, "index": self.index, "detected_index": self.detected_at,
@@ -228,7 +229,7 @@ class SlowdownDetector:
             return None
         kind = "slowdown" if code > 0 else "recovery"
         return ChangePoint(kind, self.scope, start, t, math.exp(m_old), math.exp(m_new),
-                           math.exp(m_new - m_old), prob)
+                           math.exp(m_new - m_old), prob, old_lo)
 
     def _back_to_healthy(self, s: RunLengthSummary, t: int) -> ChangePoint | None:
         """While slow: the last `2 * history` iterations, all after the slow
@@ -240,7 +241,8 @@ class SlowdownDetector:
         m_new = float(np.median(recent))
         if m_new > self._healthy + 0.5 * math.log1p(self.threshold):
             return None
-        slow = self._logs[max(self._accepted_start, self._base) - self._base:lo - self._base]
+        slow_lo = max(self._accepted_start, self._base)
+        slow = self._logs[slow_lo - self._base:lo - self._base]
         m_old = float(np.median(slow))
         if m_old <= m_new:
             return None
@@ -249,7 +251,8 @@ class SlowdownDetector:
         start = max(s.segment_start - 1, self._base)
         start = start if self._accepted_start < start <= lo else lo
         return ChangePoint("recovery", self.scope, start, t, math.exp(m_old), math.exp(m_new),
-                           math.exp(m_new - m_old), self._bocd.probability_run_at_most(t - start + 1))
+                           math.exp(m_new - m_old), self._bocd.probability_run_at_most(t - start + 1),
+                           slow_lo)
 
     def _filtered(self, i: int) -> float:
         j = i - self._base

@@ -1,7 +1,7 @@
 """From call records to engine events, for a whole job.
 
 One IterationEstimator and one SlowdownDetector per rank, and a job-level
-SlowdownDetector fed with the median of the ranks' latest iteration times.
+SlowdownDetector fed with the leader's (the lowest rank's) iteration times.
 Iterations that Greyhound's own activity overlapped (engine.activity) are
 reported with `disturbed` and kept from the detectors. Part of JobAnalysis,
 which `attach`, `replay` and the cluster controller all run; event times are
@@ -9,7 +9,6 @@ the data's own times, which makes a replay deterministic.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,14 +202,14 @@ class JobPipeline:
     def _job_step(self, rs: RankState, item: IterationRecord) -> list:
         if self._leader() is not rs:
             return []
-        # Ranks of a data-parallel job finish iterations together: the median
-        # of their latest iteration times is the job's, robust to one rank
-        # whose anchor slipped.
-        recent = [r.last.dur_ns for r in self.ranks.values()
-                  if r.last is not None and abs(r.last.start_ns - item.start_ns) < 2 * item.dur_ns]
-        dur_ms = statistics.median(recent) / 1e6
+        # The ranks are held in step by their collectives, so the leader's
+        # start-to-start time is the job's: what its own log reads. (The
+        # median of every rank's latest time, used before, mixed in other
+        # ranks' previous iterations: on a busy host it read a long
+        # iteration as the short one before it, up to 25% under the wall
+        # clock for a while, and the end of that bias was a "slowdown".)
         self._job_fed.append((item.index, item.start_ns))
-        cp = self.job_detector.update(dur_ms)
+        cp = self.job_detector.update(item.dur_ns / 1e6)
         return [self._change(cp, None, item, self._job_fed)] if cp else []
 
     def _change(self, cp: ChangePoint, rank: int | None, item: IterationRecord, fed: FedLog):
@@ -219,6 +218,8 @@ class JobPipeline:
         fields = cp.fields()
         (fields["index"], fields["onset_ns"]), fields["detected_index"] = \
             fed[cp.index], fed[cp.detected_at][0]
+        if cp.baseline_at >= fed.base:
+            fields["baseline_index"], fields["baseline_ns"] = fed[cp.baseline_at]
         if cp.scope == "rank":
             fields["rank"] = rank
         return (cp.kind, fields, item.start_ns + item.dur_ns)

@@ -12,7 +12,6 @@ sequence.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -82,8 +81,8 @@ class TuiState:
             self._last[rank] = ev["dur_ns"] / 1e6
             if self._lowest is None or (rank is not None and rank < self._lowest):
                 self._lowest = rank
-            if rank == self._lowest:              # one job iteration per lowest-rank one
-                self.history.append(statistics.median(self._last.values()))
+            if rank == self._lowest:              # the job's pace, as its detector reads it
+                self.history.append(self._last[rank])
                 self._n += 1
             return
         if kind in MARK and ev.get("scope", "job") == "job" and ev.get("phase") != "outcome":
