@@ -77,6 +77,38 @@ def even_back(evs: list[dict], lift: int) -> dict | None:
     return None
 
 
+def verdict(evs: list[dict], inj: int, evidence: str) -> tuple[dict | None, int | None]:
+    """The first verdict after the injection that names a cause (a slowdown
+    that ramps up over a few iterations can first be reported as a smaller
+    step, found unknown), else the first; and its one computation rank."""
+    diags = [e for e in evs if e["kind"] == "diagnosis" and e["time_ns"] > inj
+             and e["evidence"] == evidence]
+    d = first(diags, lambda e: e["cause"] != "unknown") or (diags[0] if diags else None)
+    rank = None
+    if d and d["cause"] == "computation" and len(d["ranks"]) == 1:
+        rank = d["ranks"][0]
+    return d, rank
+
+
+def validated_verdict(evs: list[dict], inj: int) -> tuple[dict | None, int | None]:
+    """The fault's validated verdict: a validation's, or the plan's
+    confirmation (the plan made on the passive verdict ran as it predicted,
+    which only the named rank's slow compute explains: diagnosis.planner,
+    so the job was not paused to measure it). The confirmation stands
+    unless a validation named a cause before it: a validation of a later
+    episode (a busy host after the lift, measured unknown) says nothing of
+    this fault's verdict (a CI run's case)."""
+    vdiag, vnamed = verdict(evs, inj, "validation")
+    confirmed = first(evs, lambda e: e["kind"] == "validation" and e["time_ns"] > inj
+                      and e.get("confirmed_by") == "plan")
+    if confirmed is not None and (vdiag is None or vnamed is None
+                                  or confirmed["time_ns"] < vdiag["time_ns"]):
+        vdiag, vnamed = {**confirmed, "evidence": "the plan ran as predicted, no pause"}, None
+        if confirmed.get("cause") == "computation" and len(confirmed.get("ranks") or []) == 1:
+            vnamed = confirmed["ranks"][0]
+    return vdiag, vnamed
+
+
 def summarize(work: Path, t: dict) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -89,31 +121,8 @@ def summarize(work: Path, t: dict) -> int:
                  and e.get("plan"))
     applied = plan and first(evs, lambda e: e["kind"] == "applied" and e["seq"] == plan["seq"])
     even_applied = even_back(evs, lift)
-    # The first verdict that names a cause (a slowdown that ramps up over a
-    # few iterations can first be reported as a smaller step, found unknown).
-    def verdict(evidence):
-        diags = [e for e in evs if e["kind"] == "diagnosis" and e["time_ns"] > inj
-                 and e["evidence"] == evidence]
-        d = first(diags, lambda e: e["cause"] != "unknown") or (diags[0] if diags else None)
-        rank = None
-        if d and d["cause"] == "computation" and len(d["ranks"]) == 1:
-            rank = d["ranks"][0]
-        return d, rank
-    diag, named = verdict("passive")
-    vdiag, vnamed = verdict("validation")
-    # Or no measurement at all: the plan made on the passive verdict ran as
-    # it predicted, which only the named rank's slow compute explains
-    # (diagnosis.planner), so the job was not paused to measure it.
-    confirmed = first(evs, lambda e: e["kind"] == "validation" and e["time_ns"] > inj
-                      and e.get("confirmed_by") == "plan")
-    # The earlier of the two stands: a validation of a later episode (a busy
-    # host after the lift, measured unknown) says nothing of this fault's
-    # verdict, which the plan had confirmed already (a CI run's case).
-    if confirmed is not None and (vdiag is None or vnamed is None
-                                  or confirmed["time_ns"] < vdiag["time_ns"]):
-        vdiag, vnamed = {**confirmed, "evidence": "the plan ran as predicted, no pause"}, None
-        if confirmed.get("cause") == "computation" and len(confirmed.get("ranks") or []) == 1:
-            vnamed = confirmed["ranks"][0]
+    diag, named = verdict(evs, inj, "passive")
+    vdiag, vnamed = validated_verdict(evs, inj)
     by_plan = vdiag is not None and vdiag.get("confirmed_by") == "plan"
 
     def ms(lo, hi):
