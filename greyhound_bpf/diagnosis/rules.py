@@ -161,42 +161,36 @@ def device_slow(details: dict, rank: int) -> bool:
 def _rank_links(rtt: dict):
     """A rank's link bounds each of its edges: its fastest edge is its link.
     -> (reference, {rank: ratio} of the slow rank links)."""
-    best: dict[int, float] = {}
-    for (a, b), v in rtt.items():
-        for r in (a, b):
-            best[r] = min(best.get(r, v), v)
-    if len(best) < 3:
-        return None, {}
-    ref, _, slow = outliers(best, LINK_SLOW_RATIO)
-    return ref, _shown_by_a_fast_end(slow, [(a, b) for a, b in rtt])
+    return _slow_ends(rtt.items())
 
 
 def _node_links(rtt: dict, nodes: dict[int, str]):
     """The same rule a level up, with many machines: a node's link (its NIC,
     its switch port) bounds every edge between it and another node, so the
-    fastest of those is its link. -> (reference, {node: ratio} of the slow)."""
-    best: dict[str, float] = {}
-    for (a, b), v in rtt.items():
-        na, nb = nodes.get(a), nodes.get(b)
-        if na is None or nb is None or na == nb:
-            continue
-        for n in (na, nb):
-            best[n] = min(best.get(n, v), v)
+    fastest of those is its link. -> (reference, {node: ratio} of the slow);
+    with two nodes, none (either end could be the slow one)."""
+    return _slow_ends(((nodes[a], nodes[b]), v) for (a, b), v in rtt.items()
+                      if nodes.get(a) is not None and nodes.get(b) is not None
+                      and nodes[a] != nodes[b])
+
+
+def _slow_ends(edges) -> tuple:
+    """((end, end), round trip) pairs -> (reference, {end: ratio}): the ends
+    whose fastest edge is slow, among three ends or more. An end counts only
+    with an edge to an end that is not slow: ends whose every edge joins
+    another slow end (the two ranks of a node whose only edge inside it is
+    each other) rest on one slow edge, not on a link each, and the edge rule
+    judges that."""
+    best: dict = {}
+    peers: dict = {}
+    for (a, b), v in edges:
+        for end, other in ((a, b), (b, a)):
+            best[end] = min(best.get(end, v), v)
+            peers.setdefault(end, set()).add(other)
     if len(best) < 3:
-        return None, {}                 # two nodes: either end could be the slow one
+        return None, {}
     ref, _, slow = outliers(best, LINK_SLOW_RATIO)
-    return ref, _shown_by_a_fast_end(slow, [(nodes[a], nodes[b]) for a, b in rtt
-                                            if a in nodes and b in nodes
-                                            and nodes[a] != nodes[b]])
-
-
-def _shown_by_a_fast_end(slow: dict, edges: list) -> dict:
-    """Those of the slow ranks (or nodes) with an edge to one that is not
-    slow. Ends whose every edge joins another slow end (the two ranks of a
-    node whose only edge inside it is each other) rest on one slow edge, not
-    on a link each: the edge rule judges that."""
-    return {k: v for k, v in slow.items()
-            if any(o not in slow for a, b in edges if k in (a, b) for o in (a, b) if o != k)}
+    return ref, {k: v for k, v in slow.items() if peers[k] - slow.keys()}
 
 
 def link_suspects(rtt: dict) -> set:

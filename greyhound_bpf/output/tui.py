@@ -68,7 +68,6 @@ class TuiState:
     stragglers: set = field(default_factory=set)
     _n: int = 0                                 # job iterations seen so far
     _lowest: int | None = None
-    _last: dict = field(default_factory=dict)   # rank -> last iteration ms
     _rates: dict = field(default_factory=dict)  # pid -> (time, calls) at the last view
     _calls_total: tuple = (0.0, 0)
 
@@ -78,11 +77,10 @@ class TuiState:
             if not is_speed_sample(ev):           # our own activity: not the job's speed
                 return
             rank = ev.get("rank")
-            self._last[rank] = ev["dur_ns"] / 1e6
             if self._lowest is None or (rank is not None and rank < self._lowest):
                 self._lowest = rank
             if rank == self._lowest:              # the job's pace, as its detector reads it
-                self.history.append(self._last[rank])
+                self.history.append(ev["dur_ns"] / 1e6)
                 self._n += 1
             return
         if kind in MARK and ev.get("scope", "job") == "job" and ev.get("phase") != "outcome":
