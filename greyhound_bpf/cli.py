@@ -443,11 +443,12 @@ def cmd_validate(args) -> int:
         st = host.read_stat(roots[0])
         job = f"{st.comm if st else 'job'}-{roots[0]}"
     err = Console(stderr=True)
-    # Checking the interpreter imports torch, as the workers do: load on the
+    # Checking the interpreter imports what the workers do: load on the
     # host that a tracer there must not blame on the job.
     with host.Busy("check"):
-        validator.check_python(args.python)
-    # The workers' start-up (a torch import each) on CPU the job leaves idle.
+        validator.check_python(args.python,
+                               gpus=any(m.device.startswith("cuda") for m in members))
+    # The workers' start-up (their imports) on CPU the job leaves idle.
     idle = IdleGroup.create() if args.pids else None
     v = validator.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
                            start_timeout_s=args.timeout, python=args.python,

@@ -26,7 +26,7 @@ from .host import Busy, MeasureLock, Member, Pause, SpanReport
 from .rules import Result, schedule
 from .workers import Worker, WorkerError, kill_now
 
-START_TIMEOUT_S = 60.0       # import torch (in the idle group) and answer
+START_TIMEOUT_S = 60.0       # import (in the idle group) and answer
 RENDEZVOUS_S = 60.0          # the store's address, from the controller
 STEP_TIMEOUT_S = 20.0        # joining waits for the slowest node's workers
 

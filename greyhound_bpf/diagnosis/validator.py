@@ -62,7 +62,7 @@ CONFIRM_SKIP_RATIO = 3.0
 # at half the CPU it used reads x2.4-2.5; the second pause cost a 40 s fault
 # 0.8 s of the job's time and 3 s of waiting, bench_mitigation).
 CONFIRM_SKIP_NAMED_RATIO = 2.0
-START_TIMEOUT_S = 60.0       # import torch and join, while the job runs on
+START_TIMEOUT_S = 60.0       # import (torch on GPUs) and join, while the job runs on
 # Workers start in the idle CPU group, on CPU the job leaves unused; on a
 # saturated machine that may be none, so after this long the group is made
 # an ordinary one until they have started: together they then weigh as one
@@ -124,7 +124,7 @@ class Validator:
         """Start the workers and join them into one group (while the job
         runs on). Returns what could not be started."""
         res = Result()
-        # Starting workers loads the host (torch imports): not while another
+        # Starting workers loads the host (their imports): not while another
         # validation measures, or it would measure our start-up.
         with MeasureLock(timeout_s=120.0) as free, Busy("start"):
             if not free:

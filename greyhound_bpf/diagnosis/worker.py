@@ -20,6 +20,15 @@ stdin closes, so a controller that dies takes its workers with it.
 
 Environment: GH_VAL_RANK, GH_VAL_WORLD, GH_VAL_DEVICE ("cpu" or "cuda:N"),
 GH_VAL_TIMEOUT_S; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as the rank's.
+
+On a GPU the worker is PyTorch's (NCCL send/recv, CUDA GEMMs). On a CPU it
+imports NumPy only: a GEMM through NumPy's BLAS, one thread, and p2p over
+plain TCP sockets, what gloo's pairs are. Importing torch costs about 3 CPU
+seconds per worker, beside a running job (the workers start while it runs:
+4 of them took 29 s on a 2-core host, 2.3 s of it paused), NumPy 0.3. The
+group forms as PyTorch's does: the first rank's worker listens where the
+controller says (`port`), every other worker registers its own p2p port
+there and gets everyone's back; the lower rank of a pair connects.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import json
 import os
 import socket
 import statistics
+import struct
 import sys
 import time
 from datetime import timedelta
@@ -84,7 +94,170 @@ def nvml_device(cuda_index: int) -> str:
     return visible[cuda_index] if cuda_index < len(visible) else str(cuda_index)
 
 
+def recv_exact(sock: socket.socket, buf) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the peer's worker closed the connection")
+        got += n
+
+
+def recv_line(sock: socket.socket) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("the peer's worker closed the connection")
+        data += chunk
+    return json.loads(data)
+
+
+def cpu_gemm(size: int):
+    """One GEMM of `size` on this CPU, one thread (the env sets it): NumPy's
+    BLAS, or torch's where NumPy is missing (a job's own interpreter)."""
+    try:
+        import numpy as np
+        rng = np.random.default_rng()
+        a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+        c = np.empty_like(a)
+        return lambda: np.matmul(a, b, out=c)
+    except ImportError:
+        import torch
+        torch.set_num_threads(1)
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        return lambda: torch.matmul(a, b)
+
+
+class CpuWorker:
+    """A CPU rank's worker: NumPy and sockets (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ["GH_VAL_RANK"])
+        self.world = int(os.environ["GH_VAL_WORLD"])
+        self.timeout = float(os.environ.get("GH_VAL_TIMEOUT_S", "20"))
+        self.matmul = cpu_gemm(GEMM_N)
+        self.listener = socket.create_server(("0.0.0.0", 0), backlog=self.world)
+        self.listener.settimeout(self.timeout)
+        self.peers: dict[int, tuple[str, int]] = {}
+        self.conns: dict[int, socket.socket] = {}
+        self.store = None
+        if self.rank == 0:
+            self.store = socket.create_server(("0.0.0.0", 0), backlog=self.world)
+            reply({"port": self.store.getsockname()[1],
+                   "addr": address_toward(os.environ.get("MASTER_ADDR"))})
+
+    def join(self, addr: str, port: int) -> dict:
+        mine = self.listener.getsockname()[1]
+        deadline = time.monotonic() + self.timeout
+        if self.rank == 0:
+            table, regs = {0: (None, mine)}, []
+            while len(table) < self.world:
+                self.store.settimeout(max(0.1, deadline - time.monotonic()))
+                conn, (host, _) = self.store.accept()
+                conn.settimeout(self.timeout)
+                hello = recv_line(conn)
+                table[int(hello["rank"])] = (host, int(hello["port"]))
+                regs.append(conn)
+            for conn in regs:
+                conn.sendall((json.dumps(table) + "\n").encode())
+                conn.close()
+            self.store.close()
+        else:
+            while True:
+                try:
+                    conn = socket.create_connection((addr, port), timeout=self.timeout)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            with conn:
+                conn.sendall((json.dumps({"rank": self.rank, "port": mine}) + "\n").encode())
+                table = recv_line(conn)
+        self.peers = {int(r): (host or addr, int(p)) for r, (host, p) in table.items()}
+        return {"ready": True, "device": "cpu", "backend": "tcp"}
+
+    def gemm(self, seconds: float) -> dict:
+        for _ in range(2):                       # warm-up: pages, BLAS's buffers
+            self.matmul()
+        count, t0 = 0, time.perf_counter()
+        while True:
+            self.matmul()
+            count += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+        return {"ms_per_gemm": elapsed / count * 1e3,
+                "gflops": 2 * GEMM_N ** 3 * count / elapsed / 1e9, "gemms": count}
+
+    def _conn(self, peer: int) -> socket.socket:
+        """The pair's connection: the lower rank connects, the higher
+        accepts (another pair's early connection is kept for its turn)."""
+        while peer not in self.conns:
+            if self.rank < peer:
+                conn = socket.create_connection(self.peers[peer], timeout=self.timeout)
+                conn.sendall(struct.pack("!i", self.rank))
+                who = peer
+            else:
+                conn, _ = self.listener.accept()
+                conn.settimeout(self.timeout)
+                head = bytearray(4)
+                recv_exact(conn, head)
+                who = struct.unpack("!i", head)[0]
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.conns[who] = conn
+        return self.conns[peer]
+
+    @staticmethod
+    def _pingpong(conn: socket.socket, buf, first: bool) -> float:
+        t0 = time.perf_counter()
+        if first:
+            conn.sendall(buf)
+            recv_exact(conn, buf)
+        else:
+            recv_exact(conn, buf)
+            conn.sendall(buf)
+        return time.perf_counter() - t0
+
+    def p2p(self, peer: int, nbytes: int, seconds: float) -> dict:
+        conn, first = self._conn(peer), self.rank < peer
+        small, big, flag = bytearray(LATENCY_BYTES), bytearray(nbytes), bytearray(1)
+        self._pingpong(conn, small, first)       # warm-up: the buffer's pages,
+        self._pingpong(conn, big, first)         # TCP's window opening
+        lat = [self._pingpong(conn, small, first) for _ in range(LATENCY_REPS)]
+        rtts, t0 = [], time.perf_counter()
+        while True:                              # the lower rank says how many
+            if first:
+                more = len(rtts) < 3 or time.perf_counter() - t0 < seconds
+                conn.sendall(b"\1" if more else b"\0")
+            else:
+                recv_exact(conn, flag)
+                more = flag[0] == 1
+            if not more:
+                break
+            rtts.append(self._pingpong(conn, big, first))
+        return link_figures(rtts, lat, nbytes)
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.listener.close()
+
+
+def link_figures(rtts: list[float], lat: list[float], nbytes: int) -> dict:
+    # The fastest round trip: the link's capacity. Noise (scheduling on a
+    # shared host, other traffic) only ever adds time, while a rate limit or
+    # a degraded link slows every round trip, the fastest too.
+    rtt = min(rtts)
+    return {"rtt_ms": rtt * 1e3, "rtt_median_ms": statistics.median(rtts) * 1e3,
+            "lat_us": min(lat) / 2 * 1e6,
+            "gbps": 2 * nbytes * 8 / rtt / 1e9, "round_trips": len(rtts)}
+
+
 class Worker:
+    """A GPU rank's worker: PyTorch, NCCL."""
+
     def __init__(self) -> None:
         import torch
         import torch.distributed as dist
@@ -180,18 +353,22 @@ class Worker:
             if not more:
                 break
             rtts.append(self._pingpong(peer, big, first))
-        # The fastest round trip: the link's capacity. Noise (scheduling on
-        # a shared host, other traffic) only ever adds time, while a rate
-        # limit or a degraded link slows every round trip, the fastest too.
-        rtt = min(rtts)
-        return {"rtt_ms": rtt * 1e3, "rtt_median_ms": statistics.median(rtts) * 1e3,
-                "lat_us": min(lat) / 2 * 1e6,
-                "gbps": 2 * nbytes * 8 / rtt / 1e9, "round_trips": len(rtts)}
+        return link_figures(rtts, lat, nbytes)
+
+    def close(self) -> None:
+        try:
+            if self.dist.is_initialized():
+                self.dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 def main() -> int:
     try:
-        w = Worker()
+        # GH_VAL_WORKER=torch: PyTorch's worker on a CPU too (scripts/bench_validate)
+        cpu = (os.environ.get("GH_VAL_DEVICE", "cpu") == "cpu"
+               and os.environ.get("GH_VAL_WORKER") != "torch")
+        w = CpuWorker() if cpu else Worker()
     except Exception as e:
         reply({"error": f"{type(e).__name__}: {e}"})
         return 1
@@ -211,11 +388,7 @@ def main() -> int:
                 reply({"error": f"unknown command {op!r}"})
         except Exception as e:
             reply({"error": f"{type(e).__name__}: {e}"})
-    try:
-        if w.dist.is_initialized():
-            w.dist.destroy_process_group()
-    except Exception:
-        pass
+    w.close()
     return 0
 
 

@@ -25,15 +25,18 @@ class WorkerError(Exception):
 WORKER_SCRIPT = str(Path(__file__).with_name("worker.py"))
 
 
-def check_python(python: str) -> None:
-    """Workers need PyTorch in `python` (they import nothing of ours: a
-    job's own interpreter works)."""
-    r = subprocess.run([python, "-c", "import torch.distributed"], capture_output=True,
-                       text=True)
+def check_python(python: str, gpus: bool = True) -> None:
+    """Workers need PyTorch in `python` for GPUs, NumPy (or PyTorch) for
+    CPUs (they import nothing of ours: a job's own interpreter works)."""
+    code = ("import torch.distributed" if gpus else
+            "try:\n import numpy\nexcept ImportError:\n import torch")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True)
     if r.returncode != 0:
+        what = "PyTorch" if gpus else "NumPy (or PyTorch)"
         raise GreyhoundError(
-            f"validation needs PyTorch in {python} ({(r.stderr.strip().splitlines() or ['?'])[-1]}):"
-            " pip install torch there, or point --python at the job's interpreter")
+            f"validation needs {what} in {python} "
+            f"({(r.stderr.strip().splitlines() or ['?'])[-1]}): pip install "
+            f"{'torch' if gpus else 'numpy'} there, or point --python at the job's interpreter")
 
 
 class Worker:
@@ -47,8 +50,15 @@ class Worker:
             env.pop(k, None)
         env.update(m.env, GH_VAL_RANK=str(m.rank), GH_VAL_WORLD=str(world),
                    GH_VAL_DEVICE=m.device, GH_VAL_TIMEOUT_S=str(timeout_s),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        # SCHED_IDLE while starting: importing torch would otherwise take CPU
+                   OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        if m.device == "cpu":
+            # p2p's buffers from the heap: a fresh mmap()ed one (glibc's
+            # default over 128 KiB) made a worker's first p2p run 2x slower
+            # over all its round trips (7.5 against 3.2 ms for 4 MiB, here),
+            # and one link's first measurement look slow.
+            env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 20)
+        # SCHED_IDLE while starting: its imports would otherwise take CPU
         # from the running job (and, on a busy host, slow it down: a slowdown
         # of our own making). place() makes it a normal task to measure,
         # while the job is paused.
@@ -58,7 +68,7 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err, env=env, start_new_session=True)
         # Its own session is its own autogroup, where SCHED_IDLE ranks it
-        # against nothing: the idle group keeps its torch import off the
+        # against nothing: the idle group keeps its imports off the
         # job's CPU (cpu.IdleGroup).
         if idle_group is not None:
             idle_group.join(self.proc.pid)

@@ -1,6 +1,6 @@
 """Greyhound's own activity that can touch the job, with its span.
 
-Attaching uprobes, validation workers starting (a torch import each), a
+Attaching uprobes, validation workers starting (their imports), a
 validation pause, a plan being applied, and another greyhound validating on
 the same machine all slow a job down for a moment. Each is recorded here
 as a span [start_ns, end_ns) on the analysis clock (end None while it
