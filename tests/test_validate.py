@@ -403,6 +403,27 @@ def test_one_validation_measures_at_a_time():
     again.__exit__()
 
 
+def test_agents_on_one_machine_measure_their_devices_one_at_a_time():
+    """Nodes simulated on one host (the cluster tests): node a's device
+    measurement holds the machine's lock against node b's (three nodes'
+    GEMMs at once on 2 cores read one device x1.56), while each node's own
+    lock, which links between nodes take, stays free."""
+    from greyhound_bpf.diagnosis.host import MeasureLock, set_node
+    try:
+        set_node("a")
+        with MeasureLock(machine=True) as first:
+            assert first
+            set_node("b")
+            other = MeasureLock(timeout_s=0.3, machine=True)
+            assert other.__enter__() is False
+            other.__exit__()
+            mine = MeasureLock(timeout_s=0.3)
+            assert mine.__enter__() is True
+            mine.__exit__()
+    finally:
+        set_node(None)
+
+
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_a_healthy_job_under_attach_and_validate(ddp_job, tracer, tmp_path):

@@ -177,21 +177,27 @@ def set_node(node: str | None) -> None:
     _NODE = node
 
 
-def state_dir() -> Path:
+def state_dir(machine: bool = False) -> Path:
+    """This node's state (a node's agent: under nodes/NAME), or with
+    `machine` the machine's, which every agent on it shares."""
     base = Path("/run/greyhound") if os.geteuid() == 0 else \
         Path(tempfile.gettempdir()) / f"greyhound-{os.geteuid()}"
-    return base / "nodes" / _NODE if _NODE else base
+    return base / "nodes" / _NODE if _NODE and not machine else base
 
 
 class MeasureLock:
     """One validation measures at a time on a machine: two would pause the
     job on top of each other and measure each other's load. A file lock,
-    released by the kernel if we die."""
+    released by the kernel if we die. Per node by default; `machine`: one
+    for every agent on this machine (nodes simulated on one host, as the
+    tests do, measure their devices one at a time, as nodes of their own
+    would without each other's load; links between nodes need both ends
+    at once, so they take the node's)."""
 
-    def __init__(self, timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float = 30.0, machine: bool = False):
         self.timeout_s = timeout_s
         self.fh = None
-        self.path = state_dir() / "validate.lock"
+        self.path = state_dir(machine) / "validate.lock"
 
     def __enter__(self) -> bool:
         try:

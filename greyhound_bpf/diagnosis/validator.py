@@ -126,7 +126,7 @@ class Validator:
         res = Result()
         # Starting workers loads the host (their imports): not while another
         # validation measures, or it would measure our start-up.
-        with MeasureLock(timeout_s=120.0) as free, Busy("start"):
+        with MeasureLock(timeout_s=120.0, machine=True) as free, Busy("start"):
             if not free:
                 res.untested.append("everything: another validation kept the machine "
                                     "busy for 120 s")
@@ -158,7 +158,7 @@ class Validator:
         for r in sorted(set(self.ready) - set(ready)):
             res.untested.append(f"rank {r}: worker exited")
         n_untested = len(res.untested)
-        lock = MeasureLock()
+        lock = MeasureLock(machine=True)
         if ready and not lock.__enter__():
             res.untested.append("everything: another validation kept measuring for "
                                 f"{lock.timeout_s:.0f} s")
