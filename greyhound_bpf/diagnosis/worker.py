@@ -223,21 +223,16 @@ class CpuWorker:
     def p2p(self, peer: int, nbytes: int, seconds: float) -> dict:
         conn, first = self._conn(peer), self.rank < peer
         small, big, flag = bytearray(LATENCY_BYTES), bytearray(nbytes), bytearray(1)
-        self._pingpong(conn, small, first)       # warm-up: the buffer's pages,
-        self._pingpong(conn, big, first)         # TCP's window opening
-        lat = [self._pingpong(conn, small, first) for _ in range(LATENCY_REPS)]
-        rtts, t0 = [], time.perf_counter()
-        while True:                              # the lower rank says how many
+
+        def tell(more: bool | None) -> bool:
             if first:
-                more = len(rtts) < 3 or time.perf_counter() - t0 < seconds
                 conn.sendall(b"\1" if more else b"\0")
-            else:
-                recv_exact(conn, flag)
-                more = flag[0] == 1
-            if not more:
-                break
-            rtts.append(self._pingpong(conn, big, first))
-        return link_figures(rtts, lat, nbytes)
+                return more
+            recv_exact(conn, flag)
+            return flag[0] == 1
+        # Warm-up: the big buffer's pages and TCP's window opening too.
+        return time_link(lambda buf: self._pingpong(conn, buf, first), tell, small, big,
+                         nbytes, first, seconds, warm=(small, big))
 
     def close(self) -> None:
         for conn in self.conns.values():
@@ -245,7 +240,20 @@ class CpuWorker:
         self.listener.close()
 
 
-def link_figures(rtts: list[float], lat: list[float], nbytes: int) -> dict:
+def time_link(pingpong, tell, small, big, nbytes: int, first: bool, seconds: float,
+              warm=()) -> dict:
+    """One end of a link's measurement, either worker's transport:
+    `pingpong(buf)` times one round trip, `tell(more)` sends the lower
+    rank's "another round trip?" (`first`) or receives it (more=None). The
+    lower rank decides how many both make, so both ends agree without a
+    clock. `warm`: buffers sent once first, untimed (the small one at least:
+    the connection's set-up)."""
+    for buf in warm or (small,):
+        pingpong(buf)
+    lat = [pingpong(small) for _ in range(LATENCY_REPS)]
+    rtts, t0 = [], time.perf_counter()
+    while tell((len(rtts) < 3 or time.perf_counter() - t0 < seconds) if first else None):
+        rtts.append(pingpong(big))
     # The fastest round trip: the link's capacity. Noise (scheduling on a
     # shared host, other traffic) only ever adds time, while a rate limit or
     # a degraded link slows every round trip, the fastest too.
@@ -256,7 +264,7 @@ def link_figures(rtts: list[float], lat: list[float], nbytes: int) -> dict:
 
 
 class Worker:
-    """A GPU rank's worker: PyTorch, NCCL."""
+    """A GPU rank's worker: PyTorch, NCCL (gloo on a CPU: GH_VAL_WORKER=torch)."""
 
     def __init__(self) -> None:
         import torch
@@ -336,24 +344,17 @@ class Worker:
         first = self.rank < peer
         small = torch.zeros(LATENCY_BYTES // 4, device=self.device)
         big = torch.zeros(nbytes // 4, device=self.device)
-        self._pingpong(peer, small, first)        # connection set-up, warm-up
-        lat = [self._pingpong(peer, small, first) for _ in range(LATENCY_REPS)]
-        # The lower rank decides how many round trips both make: it sends the
-        # count first, so both ends agree without a clock.
-        rtts, t0 = [], time.perf_counter()
-        while True:
+
+        def tell(more: bool | None) -> bool:
             flag = torch.ones(1, device=self.device)
             if first:
-                more = len(rtts) < 3 or time.perf_counter() - t0 < seconds
                 flag.fill_(1.0 if more else 0.0)
                 self.dist.send(flag, peer)
-            else:
-                self.dist.recv(flag, peer)
-                more = bool(flag.item())
-            if not more:
-                break
-            rtts.append(self._pingpong(peer, big, first))
-        return link_figures(rtts, lat, nbytes)
+                return more
+            self.dist.recv(flag, peer)
+            return bool(flag.item())
+        return time_link(lambda buf: self._pingpong(peer, buf, first), tell, small, big,
+                         nbytes, first, seconds)
 
     def close(self) -> None:
         try:
