@@ -81,6 +81,7 @@ class Episode:
     plan_ms: float | None = None         # the prediction of the plan in force
     planned_for: int | None = None       # the straggler the plan in force works around
     refined: bool = False
+    refine_looked: bool = False          # the plan in force was measured for a refinement
     recheck_at_ns: int | None = None
     recheck_every_s: float = RECHECK_AFTER_S
     even_ms: float | None = None         # the job's time at the even split, slow
@@ -100,14 +101,17 @@ def two_split_lines(order: list, t: dict, split: dict, at_even: dict) -> tuple[l
     under the plan the straggler's time per micro-batch grew (1.22 -> 1.60
     ms at 8 -> 5 of 16, bench_mitigation) and a refinement moved work off
     it that the sweep showed slower. A slope under a quarter of the mean is
-    noise: the line through zero then."""
+    noise: the line through zero then, and so is a line whose fixed time
+    would be negative (a CFS quota: a throttled rank given less work stays
+    under its quota and runs faster per micro-batch), which must still pass
+    through what the plan measured."""
     per, fixed = [], []
     for k in order:
         n1 = split[k]
         c1 = t[k] * n1
         n0, c0 = at_even.get(k, (n1, c1))
         b = (c1 - c0) / (n1 - n0) if n1 != n0 else 0.0
-        if b < 0.25 * c1 / n1:
+        if b < 0.25 * c1 / n1 or b > c1 / n1:
             b = c1 / n1
         per.append(b)
         fixed.append(max(0.0, c1 - b * n1))

@@ -34,9 +34,10 @@ attach, a fault the job-level detector missed). Within it:
 5. **Hold.** The plan stays while the fault lasts. Speeds measured under a
    plan never decide that the fault is gone: a CFS quota caps throughput,
    so a throttled rank given less work looks healthy per micro-batch. One
-   refinement at most: when the plan runs REFINE_OFF slower than predicted
-   and the speeds measured under it predict a split 2 x `min_gain` better,
-   in which the straggler's count only goes down.
+   refinement at most, looked for once the plan is measured (and while it
+   runs REFINE_OFF slower than predicted): a split 2 x `min_gain` better by
+   each rank's line through its two splits (episode.two_split_lines), in
+   which the straggler's count only goes down.
 6. **Is the fault gone?** Evidence that does not depend on the plan: a
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
    after the plan was applied and then at doubling intervals (the validation
@@ -81,8 +82,7 @@ SOLVE_COST_MS = 25.0
 # The straggler's compute per micro-batch must be this much over the others'
 # median for host-side timing to show it (the diagnosis's own bar is higher).
 MIN_SLOWER = 0.10
-# A plan may be refined once, when it runs this much slower than predicted.
-REFINE_OFF = 0.15
+REFINE_OFF = 0.15         # a plan this much slower than predicted: look again
 MAX_CHANGES = 2
 # Speeds and the job's iteration are means over the samples of this long (at
 # least 4 windows of iterations): twenty periods of a CFS quota (100 ms),
@@ -194,15 +194,13 @@ class SkiRentalPolicy(FaultGone):
     def withdraw(self) -> None:
         """Advise only: the plan was reported, not written; nothing will
         apply it."""
-        if self.planned is not None:
-            self.advised = self.planned
+        self.advised = self.planned if self.planned is not None else self.advised
         self.planned = None
         self.restart_pending = False           # advised only: no restart will come
 
     def restart_cost(self) -> tuple[float, str]:
-        if self.restart_observed_s is not None:
-            return self.restart_observed_s, "observed"
-        return self.restart_estimate_s, "estimated"
+        seen = self.restart_observed_s
+        return (seen, "observed") if seen is not None else (self.restart_estimate_s, "estimated")
 
     def observe(self, ev: dict) -> list[Decision]:
         kind = ev.get("kind")
@@ -469,11 +467,13 @@ class SkiRentalPolicy(FaultGone):
         cost_ms = (e.healthy_ms or self.job_ms() or 0.0) + SOLVE_COST_MS
         if not e.changes and e.loss_ms < cost_ms:
             return []                        # the loss grows each iteration: look again
-        if e.changes and not new_straggler and (
-                self.since_plan < 2 * self.window
-                or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
-                or (self.recent_job_ms() or 0.0) <= e.plan_ms * (1 + REFINE_OFF)):
-            return []                        # the plan runs as predicted: hold it
+        if e.changes and not new_straggler:
+            if (self.since_plan < 2 * self.window
+                    or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
+                    or (e.refine_looked  # looked once, and it runs as predicted: hold
+                        and (self.recent_job_ms() or 0.0) <= e.plan_ms * (1 + REFINE_OFF))):
+                return []
+            e.refine_looked = True
         t = self._speeds()
         if t is None:
             return []                        # not every rank measured yet

@@ -659,6 +659,58 @@ def test_a_refinement_counts_each_ranks_fixed_time_from_two_splits():
     assert max(job.split.values()) - min(n for r, n in job.split.items() if r != 2) <= 1
 
 
+def test_a_plan_that_runs_as_predicted_is_still_refined_once_toward_the_best_split():
+    # Two ranks. The healthy one's time is mostly per iteration (12 ms
+    # fixed, 0.75 per micro-batch), the straggler's per micro-batch (5.0,
+    # none fixed). From the even split alone the line through zero reads
+    # the healthy rank at 2.25 per micro-batch: the first plan runs no
+    # slower than it predicted, yet gives it too little (bench_mitigation:
+    # 12:4 ran as predicted where the sweep's 13:3 and 14:2 were faster).
+    # Measured at two splits, the one refinement finds the best split;
+    # then the plan holds.
+    job = Job([0.75, 0.75], total=16)
+    job.fixed = {0: 12.0, 1: 12.0}
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    job.t[1], job.fixed[1] = 5.0, 0.0
+    run(pol, job, 4)
+    out = pol.observe(slowdown(job, 20.0, 42.0, 20, 24))
+    out += run(pol, job, 8)
+    out += pol.observe(verdict(job, [1]))
+    (first,) = plans(out + run(pol, job, 30))
+    apply(pol, job, first)
+
+    def iteration(split):
+        return max(job.fixed[r] + n * job.t[r] for r, n in split.items()) + OVERHEAD_MS
+    at_first = iteration(job.split)
+    assert at_first <= first.expected_ms                      # no slower than predicted
+    (refined,) = plans(run(pol, job, 300))
+    assert refined.plan["microbatches"][1] < first.plan["microbatches"][1]
+    apply(pol, job, refined)
+    got = iteration(job.split)
+    assert got < at_first * 0.9 and abs(refined.expected_ms / got - 1) < 0.05, (refined, got)
+    best = min(({0: n, 1: 16 - n} for n in range(1, 16)), key=iteration)
+    assert got == pytest.approx(iteration(best))
+    assert plans(run(pol, job, 300)) == []                    # at most two changes
+
+
+def test_a_quota_straggler_faster_per_micro_batch_under_the_plan_is_not_refined():
+    # Under its quota's free count the throttled rank runs 1.0 per
+    # micro-batch where it ran 2.0 at the even split: a line through the
+    # two points would give it a negative fixed time and blame 3.7 ms on
+    # each micro-batch, predicting a split that takes still more work off
+    # it. The line passes through what the plan measured: nothing to refine.
+    from mitigation.episode import two_split_lines
+    per, fixed = two_split_lines([0, 1], {0: 1.0, 1: 1.0}, {0: 11, 1: 5},
+                                 {0: (8, 8.0), 1: (8, 16.0)})
+    assert per == [1.0, 1.0] and fixed == [0.0, 0.0]
+    job, pol, out = quota_job()
+    (p,) = plans(out)
+    apply(pol, job, p)
+    assert plans(run(pol, job, 300)) == []
+
+
 def recovery(job, before, after, index):
     return {"kind": "recovery", "scope": "job", "index": index, "detected_index": index,
             "before_ms": before, "after_ms": after, "ratio": after / before,
