@@ -192,9 +192,9 @@ class SkiRentalPolicy(FaultGone):
                     r.clear()
 
     def withdraw(self) -> None:
-        """Advise only: the plan was reported, not written; nothing will
-        apply it."""
-        self.advised = self.planned if self.planned is not None else self.advised
+        """Advise only: the plan was reported, not written; nothing applies it."""
+        if self.planned is not None:
+            self.advised = self.planned
         self.planned = None
         self.restart_pending = False           # advised only: no restart will come
 
@@ -359,9 +359,8 @@ class SkiRentalPolicy(FaultGone):
         return []
 
     def _healthy_estimate(self) -> float | None:
-        """Without a slowdown to measure against (the job was already slow):
-        the iteration time it would have if the straggler computed as fast
-        as the others."""
+        """Without a slowdown to measure against (the job was already slow): its
+        iteration if the straggler computed as fast as the others."""
         e = self.episode
         if e is None or e.straggler is None:
             return None
@@ -431,15 +430,18 @@ class SkiRentalPolicy(FaultGone):
             return [r]
         return self._rebalance()
 
+    def _measured(self) -> bool:
+        """The split in force has run 2 windows, and trial_min_s on every rank."""
+        return self.since_plan >= 2 * self.window and all(
+            r.span_ns() >= self.trial_min_ns for r in self.ranks.values())
+
     def plan_measured(self) -> tuple[bool, str] | None:
-        """Does the plan in force confirm its verdict (diagnosis.planner)? Right, the
-        job runs as predicted; wrong, at the even split's speed in the fault: yes when
-        nearer the first, and `min_gain` faster. None until measured over 2 windows
-        and trial_min_s, a "no" once a refinement was looked for."""
+        """Does the plan in force confirm its verdict (diagnosis.planner)? Yes when the
+        job runs nearer its prediction than the even split's speed in the fault, and
+        `min_gain` faster; None until _measured(), a "no" once a refinement was sought."""
         e = self.episode
         if (e is None or self.planned is not None or e.plan_ms is None or not e.even_ms
-                or self.since_plan < 2 * self.window or self._is_even()
-                or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
+                or not self._measured() or self._is_even()
                 or (got := self.recent_job_ms()) is None):
             return None
         ok = got <= min((e.plan_ms + e.even_ms) / 2, e.even_ms * (1 - self.min_gain))
@@ -468,11 +470,9 @@ class SkiRentalPolicy(FaultGone):
         if not e.changes and e.loss_ms < cost_ms:
             return []                        # the loss grows each iteration: look again
         if e.changes and not new_straggler:
-            if (self.since_plan < 2 * self.window
-                    or any(r.span_ns() < self.trial_min_ns for r in self.ranks.values())
-                    or (e.refine_looked  # looked once, and it runs as predicted: hold
-                        and (self.recent_job_ms() or 0.0) <= e.plan_ms * (1 + REFINE_OFF))):
-                return []
+            off = (self.recent_job_ms() or 0.0) > e.plan_ms * (1 + REFINE_OFF)
+            if not self._measured() or (e.refine_looked and not off):
+                return []                    # looked once, runs as predicted: hold it
             e.refine_looked = True
         t = self._speeds()
         if t is None:
