@@ -29,6 +29,14 @@ faulted window, detection and planning included:
   unbiased and its choice noisy, so the true best lies between the two.
   The best split of the per-micro-batch speeds (a linear model) is printed
   beside them;
+- the same within the mitigated launch: after the lift and Greyhound's
+  exit, the bench holds the same quota again and sweeps the splits in that
+  launch (as above); its even split stands for doing nothing and its
+  fastest for the achievable: a second measure of the achievable, free of
+  the launch-to-launch spread (up to 18% on one split on this VM), though
+  not of the VM's drift over a launch, which `--noise N` measures (N
+  sweeps in a row in one launch, no Greyhound: their spread is the floor
+  under any one round's figure). `--no-same-launch` skips this sweep;
 - each plan's achieved iteration time against its prediction;
 - plan changes while the fault lasted (goal <= 2, the return to even not
   counted; trial returns to even and their reverts, made when the pause
@@ -37,6 +45,7 @@ faulted window, detection and planning included:
 
     sudo scripts/bench_mitigation              # 3 rounds (4 runs each, ~8 min a round)
     sudo scripts/bench_mitigation --rounds 5 --fault 40
+    sudo scripts/bench_mitigation --noise 3     # the sweep's own spread in one launch
 """
 from __future__ import annotations
 
@@ -107,37 +116,27 @@ def start_job(work: Path, ctl: Path):
     return job, ranks
 
 
-def sweep_run(work: Path, args) -> dict:
-    """The same job and fault without Greyhound: every split of the slow
-    rank's micro-batches from the even one down and back up (SWEEP, then
-    reversed), each written to the control file and held an equal part of
-    the fault; the iteration time of each (rank 0's starts, counted: a
-    mean, as the runs are counted), the mean of its two holds."""
-    ctl = work / "ctl.json"
-    job, ranks = start_job(work, ctl)
-    writer, held, quota = ControlWriter(ctl), [], None
-    order = SWEEP + SWEEP[::-1]
-    try:
-        share = cpu_share(ranks[SLOW_RANK], args.healthy)
-        quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
-        end = time.time_ns() + int(args.fault * 1e9)
-        hold = args.fault / len(order)
-        for n in order:
-            plan = writer.issue("rebalance_microbatches",
-                                microbatches={1 - SLOW_RANK: TOTAL_MB - n, SLOW_RANK: n},
-                                reason="bench sweep")
-            wait_for(lambda: all(d["seq"] >= plan.seq for d in writer.ack_docs().values())
-                     and len(writer.ack_docs()) == 2, 30, f"split {n} applied")
-            lo = time.time_ns() + int(0.3e9)
-            time.sleep(max(0.0, min(hold, (end - time.time_ns()) / 1e9)))
-            held.append((n, lo, time.time_ns()))
-        quota.undo()
-        quota = None
-        truth = job.truth_records()
-    finally:
-        if quota is not None:
-            quota.undo()
-        job.close()
+def sweep(job, writer: ControlWriter, hold: float) -> list[tuple[int, int, int]]:
+    """Hold every split of the slow rank's micro-batches from the even one
+    down and back up (SWEEP, then reversed), each written to the control file
+    and held `hold` seconds; returns (split, from, to) for each hold."""
+    held = []
+    for n in SWEEP + SWEEP[::-1]:
+        plan = writer.issue("rebalance_microbatches",
+                            microbatches={1 - SLOW_RANK: TOTAL_MB - n, SLOW_RANK: n},
+                            reason="bench sweep")
+        wait_for(lambda: all(d["seq"] >= plan.seq for d in writer.ack_docs().values())
+                 and len(writer.ack_docs()) == 2, 30, f"split {n} applied")
+        lo = time.time_ns() + int(0.3e9)
+        time.sleep(hold)
+        held.append((n, lo, time.time_ns()))
+    return held
+
+
+def split_times(truth: list[dict], held: list[tuple[int, int, int]]) -> dict:
+    """Each split's iteration time (rank 0's starts, counted: a mean, as the
+    runs are counted), the mean of its two holds; the fastest split, and the
+    held-out best beside it."""
     starts = starts_of(truth)
     spans: dict[int, list] = {}
     for n, lo, hi in held:
@@ -154,6 +153,59 @@ def sweep_run(work: Path, args) -> dict:
     held_out = [passes[1 - k][n] for k, n in enumerate(picks) if n in passes[1 - k]]
     return {"split_ms": ms, "best": best, "best_ms": ms[best], "even_ms": ms[TOTAL_MB // 2],
             "held_out_ms": statistics.mean(held_out) if held_out else float("nan")}
+
+
+def sweep_run(work: Path, args) -> dict:
+    """The same job and fault without Greyhound, every split held an equal
+    part of the fault (`sweep`)."""
+    ctl = work / "ctl.json"
+    job, ranks = start_job(work, ctl)
+    quota = None
+    try:
+        share = cpu_share(ranks[SLOW_RANK], args.healthy)
+        quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
+        held = sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
+        quota.undo()
+        quota = None
+        truth = job.truth_records()
+    finally:
+        if quota is not None:
+            quota.undo()
+        job.close()
+    return split_times(truth, held)
+
+
+def noise_run(work: Path, args) -> int:
+    """`--noise N`: N sweeps in a row under the same quota in one launch,
+    no Greyhound, each split's time in each (how far one sweep's figures
+    move on their own)."""
+    ctl = work / "ctl.json"
+    job, ranks = start_job(work, ctl)
+    helds, quota = [], None
+    try:
+        share = cpu_share(ranks[SLOW_RANK], args.healthy)
+        for _ in range(args.noise):
+            quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
+            helds.append(sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP))))
+            quota.undo()
+            quota = None
+            time.sleep(5)
+        truth = job.truth_records()
+    finally:
+        if quota is not None:
+            quota.undo()
+        job.close()
+    table = [split_times(truth, held)["split_ms"] for held in helds]
+    print(f"{args.noise} sweeps in one launch, rank {SLOW_RANK} at half its CPU "
+          f"({share / 2:.2f}), no Greyhound; ms per iteration:")
+    for n in SWEEP:
+        xs = [t[n] for t in table]
+        print(f"  {f'{TOTAL_MB - n}:{n}':>5}  " + "  ".join(f"{x:5.1f}" for x in xs)
+              + f"   spread {max(xs) / min(xs) - 1:.0%}")
+    best = [min(t.values()) for t in table]
+    print(f"  fastest split: {'  '.join(f'{x:5.1f}' for x in best)}   spread "
+          f"{max(best) / min(best) - 1:.0%}")
+    return 0
 
 
 def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
@@ -200,6 +252,17 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
             tracer.send_signal(signal.SIGINT)
             tracer.wait(60)
             tracer = None
+        held = []
+        if mitigate and args.same_launch:
+            # The achievable in this launch: the same fault (the same quota)
+            # again, Greyhound gone, every split held (`sweep`), so that the
+            # mitigated window is set against the splits as this launch runs
+            # them (launches of one job differ by up to 20% under the fault).
+            time.sleep(5)
+            quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
+            held = sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
+            quota.undo()
+            quota = None
         truth = job.truth_records()
     finally:
         if quota is not None:
@@ -253,7 +316,9 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
             "onto_slow": onto_slow,
             "vs_expected": statistics.median(vs) if vs else None,
             "applied_s": (first_applied - fault_ns) / 1e9 if first_applied else None,
-            "even_again_s": (back["time_ns"] - lift_ns) / 1e9 if back else None}
+            "even_again_s": (back["time_ns"] - lift_ns) / 1e9 if back else None,
+            "sweep": split_times(truth, held) if held else None,
+            "last_expected_ms": next((e.get("expected_ms") for e in in_fault[::-1]), None)}
 
 
 def modelled(adv: dict) -> float:
@@ -275,6 +340,12 @@ def main(argv=None) -> int:
     p.add_argument("--fault", type=float, default=40.0, help="seconds the fault lasts")
     p.add_argument("--after", type=float, default=60.0,
                    help="longest wait for the even split once the quota is lifted")
+    p.add_argument("--no-same-launch", dest="same_launch", action="store_false",
+                   help="skip the sweep appended to the mitigated run (the achievable "
+                        "measured in the same launch)")
+    p.add_argument("--noise", type=int, default=0, metavar="N",
+                   help="only run N sweeps in a row in one launch (no Greyhound) and "
+                        "print how far they differ")
     p.add_argument("--keep", action="store_true",
                    help="keep each run's work directory (events, the trainer's log)")
     args = p.parse_args(argv)
@@ -282,6 +353,17 @@ def main(argv=None) -> int:
         print("bench_mitigation: needs root (BPF and cgroups): sudo scripts/bench_mitigation",
               file=sys.stderr)
         return 1
+    if args.noise < 0 or args.rounds < 1:
+        p.error("--noise and --rounds take a positive count")
+    if args.noise:
+        work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
+        try:
+            return noise_run(work, args)
+        finally:
+            if args.keep:
+                print(f"kept {work}", file=sys.stderr)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
     rounds = []
     kinds = ("nothing", "advise", "mitigate", "sweep")
     for i in range(args.rounds):
@@ -314,6 +396,20 @@ def main(argv=None) -> int:
                    if held_n > nothing["iterations"] else nan,
                    adv_of_achievable=rec_adv / (best_n - adv["iterations"])
                    if best_n > adv["iterations"] else nan)
+        if mit["sweep"]:
+            # The same figures within the mitigated launch: its own sweep's
+            # even split is doing nothing, its fastest split the achievable.
+            ms, f_s = mit["sweep"], mit["fault_s"]
+            even_in, best_in = f_s * 1e3 / ms["even_ms"], f_s * 1e3 / ms["best_ms"]
+            rnd["same"] = dict(
+                recovered=mit["iterations"] - even_in,
+                of_achievable=(mit["iterations"] - even_in) / (best_in - even_in)
+                if best_in > even_in else nan,
+                of_held_out=(mit["iterations"] - even_in)
+                / (f_s * 1e3 / ms["held_out_ms"] - even_in)
+                if f_s * 1e3 / ms["held_out_ms"] > even_in else nan,
+                held_ms=ms["split_ms"].get(TOTAL_MB - int(mit["splits"][-1].split(":")[0]))
+                if mit["splits"] else None)
         rounds.append(rnd)
         print(f"round {i + 1}/{args.rounds}: healthy {nothing['healthy_ms']:.1f} ms; in "
               f"{fault_s:.0f} s of fault: nothing {nothing['iterations']} iterations, advise "
@@ -334,6 +430,17 @@ def main(argv=None) -> int:
               f"onto the slow rank: {'YES' if mit['onto_slow'] else 'no'}, even again "
               f"{'never' if mit['even_again_s'] is None else format(mit['even_again_s'], '.1f') + ' s'}"
               " after the lift", flush=True)
+        if "same" in rnd:
+            sm, ms = rnd["same"], mit["sweep"]
+            print(f"  in the mitigated launch (its own sweep after the lift, the same quota): "
+                  + ", ".join(f"{TOTAL_MB - n}:{n} {x:.1f} ms" for n, x in ms["split_ms"].items())
+                  + f"; recovered {sm['of_achievable']:.0%} of the achievable there "
+                  f"({sm['of_held_out']:.0%} against its held-out best, "
+                  f"{ms['held_out_ms']:.1f} ms); the split held last ran "
+                  + ("-" if sm["held_ms"] is None else f"{sm['held_ms']:.1f} ms") + " in it (predicted "
+                  + ("-" if not mit["last_expected_ms"] else f"{mit['last_expected_ms']:.1f} ms")
+                  + ")",
+                  flush=True)
     med = lambda f: statistics.median(f(r) for r in rounds)  # noqa: E731
     vs = [r["mitigate"]["vs_expected"] for r in rounds if r["mitigate"]["vs_expected"] is not None]
     print(f"\nmedian of {len(rounds)} rounds (2 ranks pinned one per core, rank {SLOW_RANK} at "
@@ -344,6 +451,12 @@ def main(argv=None) -> int:
           f"{med(lambda r: r['adv_of_achievable']):.2f} against advise-only")
     print(f"  against the held-out best split (chosen on one pass of the sweep, timed on the "
           f"other): {med(lambda r: r['of_held_out']):.2f}; the true best lies between")
+    same = [r["same"] for r in rounds if "same" in r]
+    if same:
+        print(f"  in the mitigated launch itself (its own sweep, the same quota, after the "
+              f"lift): {statistics.median(x['of_achievable'] for x in same):.2f} of the "
+              f"achievable, {statistics.median(x['of_held_out'] for x in same):.2f} against "
+              "its held-out best")
     print(f"  the best split measured runs {med(lambda r: r['sweep']['best_ms']):.1f} ms per "
           f"iteration, the even one under the fault {med(lambda r: r['sweep']['even_ms']):.1f}")
     print(f"  plan vs prediction {statistics.median(vs) if vs else float('nan'):+.1%} "
