@@ -155,47 +155,37 @@ def split_times(truth: list[dict], held: list[tuple[int, int, int]]) -> dict:
             "held_out_ms": statistics.mean(held_out) if held_out else float("nan")}
 
 
-def sweep_run(work: Path, args) -> dict:
-    """The same job and fault without Greyhound, every split held an equal
-    part of the fault (`sweep`)."""
+def swept(job, pid: int, share: float, ctl: Path, args) -> list[tuple[int, int, int]]:
+    """The fault (`pid` at half of `share`) for one `sweep`, then lifted."""
+    with CpuQuota(pid, max(0.02, share / 2)):
+        return sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
+
+
+def sweeps_run(work: Path, args, count: int) -> tuple[float, list[dict]]:
+    """The same job and fault without Greyhound: `count` sweeps in a row in
+    one launch, 5 s apart; the slow rank's healthy CPU share and each
+    sweep's split_times."""
     ctl = work / "ctl.json"
     job, ranks = start_job(work, ctl)
-    quota = None
+    helds = []
     try:
         share = cpu_share(ranks[SLOW_RANK], args.healthy)
-        quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
-        held = sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
-        quota.undo()
-        quota = None
+        for k in range(count):
+            if k:
+                time.sleep(5)
+            helds.append(swept(job, ranks[SLOW_RANK], share, ctl, args))
         truth = job.truth_records()
     finally:
-        if quota is not None:
-            quota.undo()
         job.close()
-    return split_times(truth, held)
+    return share, [split_times(truth, held) for held in helds]
 
 
 def noise_run(work: Path, args) -> int:
     """`--noise N`: N sweeps in a row under the same quota in one launch,
     no Greyhound, each split's time in each (how far one sweep's figures
     move on their own)."""
-    ctl = work / "ctl.json"
-    job, ranks = start_job(work, ctl)
-    helds, quota = [], None
-    try:
-        share = cpu_share(ranks[SLOW_RANK], args.healthy)
-        for _ in range(args.noise):
-            quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
-            helds.append(sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP))))
-            quota.undo()
-            quota = None
-            time.sleep(5)
-        truth = job.truth_records()
-    finally:
-        if quota is not None:
-            quota.undo()
-        job.close()
-    table = [split_times(truth, held)["split_ms"] for held in helds]
+    share, times = sweeps_run(work, args, args.noise)
+    table = [t["split_ms"] for t in times]
     print(f"{args.noise} sweeps in one launch, rank {SLOW_RANK} at half its CPU "
           f"({share / 2:.2f}), no Greyhound; ms per iteration:")
     for n in SWEEP:
@@ -255,14 +245,11 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
         held = []
         if mitigate and args.same_launch:
             # The achievable in this launch: the same fault (the same quota)
-            # again, Greyhound gone, every split held (`sweep`), so that the
-            # mitigated window is set against the splits as this launch runs
-            # them (launches of one job differ by up to 20% under the fault).
+            # again, Greyhound gone, every split held (`sweep`): the splits
+            # as this launch runs them (one split moves by up to 18% between
+            # launches; within one, by up to 20% too: `--noise`).
             time.sleep(5)
-            quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
-            held = sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
-            quota.undo()
-            quota = None
+            held = swept(job, ranks[SLOW_RANK], share, ctl, args)
         truth = job.truth_records()
     finally:
         if quota is not None:
@@ -371,7 +358,7 @@ def main(argv=None) -> int:
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
             work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
             try:
-                rnd[kind] = (sweep_run(work, args) if kind == "sweep"
+                rnd[kind] = (sweeps_run(work, args, 1)[1][0] if kind == "sweep"
                              else one_run(work, kind == "mitigate", args,
                                           attach=kind != "nothing"))
             finally:
