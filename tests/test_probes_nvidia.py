@@ -164,7 +164,7 @@ def test_entry_probes_find_their_function_by_address_and_forget_it_on_detach(nvi
     t.load()
     try:
         placed = t.attach(Target(nvidia_target.pid, 0, "python", None, None, None, libs))
-        table = {(k.pid, k.addr): v.value for k, v in t.bpf["probe_fn"].items()}
+        table = {(k.pid, k.addr): v.value for k, v in t.bpf[b"probe_fn"].items()}
         assert table == {(nvidia_target.pid, p.runtime): p.fn.fid for p in placed}
         assert len(placed) == 22, len(placed)
         # The runtime address is where the symbol is in the process's memory.
@@ -178,7 +178,7 @@ def test_entry_probes_find_their_function_by_address_and_forget_it_on_detach(nvi
         got = t.drain()
         assert len(got) == len(made), (len(got), len(made))
         t.detach(nvidia_target.pid)
-        assert list(t.bpf["probe_fn"].items()) == []
+        assert list(t.bpf[b"probe_fn"].items()) == []
         # The kernel takes the uprobes out in the background (detach does
         # not wait on them); close waits until every one is out.
     finally:

@@ -105,7 +105,7 @@ class Tracer:
         except Exception as e:
             raise GreyhoundError(f"BPF program failed to load ({e}); run `greyhound-trace check`",
                                  exit_code=1) from None
-        spec_table = self.bpf["fn_spec"]
+        spec_table = self.bpf[b"fn_spec"]
         for fn in self.catalog.functions:
             spec = GhFnSpec(nargs=fn.nargs, deref_mask=fn.deref_mask,
                             field_slot=fn.field_slot, nfields=len(fn.fields),
@@ -113,7 +113,7 @@ class Tracer:
             for j, (_, off) in enumerate(fn.fields):
                 spec.field_off[j] = off
             spec_table[ct.c_int(fn.fid)] = spec
-        self.bpf["events"].open_ring_buffer(self._on_record)
+        self.bpf[b"events"].open_ring_buffer(self._on_record)
 
     def _on_record(self, ctx, data, size):
         self._chunks.append(ct.string_at(data, size))
@@ -184,7 +184,7 @@ class Tracer:
         return placed
 
     def _attach_one(self, p: Probe) -> None:
-        self.bpf["probe_fn"][GhProbeKey(pid=p.pid, addr=p.runtime)] = ct.c_uint32(p.fn.fid)
+        self.bpf[b"probe_fn"][GhProbeKey(pid=p.pid, addr=p.runtime)] = ct.c_uint32(p.fn.fid)
         self._attach_raw(p.pid, p.path, p.addr, "gh_enter", retprobe=False)
         if p.fn.return_site:
             return
@@ -200,7 +200,7 @@ class Tracer:
         probe on, the call that reported it included if it is still running."""
         placed = 0
         self._sites_looked = time.monotonic()
-        table = self.bpf["sites"]
+        table = self.bpf[b"sites"]
         for key, _ in table.items():
             pid, addr = key.pid, key.addr
             done = self._sites.get(pid)
@@ -231,7 +231,7 @@ class Tracer:
     def _forget(self, pid: int, probes: list[Probe]) -> None:
         """Drop the entry probes' addresses of `pid` (a later process with
         this pid maps its libraries elsewhere)."""
-        table = self.bpf["probe_fn"]
+        table = self.bpf[b"probe_fn"]
         for p in probes:
             table.pop(GhProbeKey(pid=pid, addr=p.runtime), None)
 
@@ -265,7 +265,7 @@ class Tracer:
         self._forget(pid, self.probes.pop(pid, []))
         if self._sites.pop(pid, None) is not None:
             # A later process with this pid reports its own sites.
-            table = self.bpf["sites"]
+            table = self.bpf[b"sites"]
             for key in [k for k, _ in table.items() if k.pid == pid]:
                 table.pop(key, None)
 
@@ -301,15 +301,15 @@ class Tracer:
         return recs
 
     def lost_total(self) -> int:
-        return int(sum(self.bpf["lost"][ct.c_int(0)]))
+        return int(sum(self.bpf[b"lost"][ct.c_int(0)]))
 
     def untimed_total(self) -> int:
         """Calls of return-site functions that began before their site was
         probed: at most this many went untimed."""
-        return int(sum(self.bpf["untimed"][ct.c_int(0)]))
+        return int(sum(self.bpf[b"untimed"][ct.c_int(0)]))
 
     def launch_counts(self) -> dict[int, int]:
-        return {k.value: v.value for k, v in self.bpf["launches"].items()}
+        return {k.value: v.value for k, v in self.bpf[b"launches"].items()}
 
     def close(self) -> None:
         if self.bpf is not None:
