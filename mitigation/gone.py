@@ -15,7 +15,16 @@ gone (healthy) or it lasts (the even split's mean in the fault, measured
 when the first plan was made). The even split stays when the trial runs
 nearer healthy than the fault, or within RECOVERED of healthy, or faster
 than the plan's own mean since it was applied (whatever healthy was
-measured as, the plan no longer pays). Healthy is the detector's level from
+measured as, the plan no longer pays); but where only the first of those
+holds and the job still runs over RECOVERED above healthy, the ranks' own
+compute at the even split decides too: equal work, so a straggler that
+still computes STILL_SLOW more than the others is the fault, whatever the
+job's mean (the even split's level in the fault is one reading, from when
+the first plan was made, and a quota's moment can sit far from it:
+bench_mitigation, a trial at 34.9 ms against 62.9 in the fault and 19.8
+healthy, rank 1 computing 27-37 ms to rank 0's 10-12). Only that way: on
+a GPU, host-side compute cannot show a slow device, so equal compute is no
+sign the fault is gone. Healthy is the detector's level from
 before the fault: a noisy job's mean runs above it, and the host may be
 busier now, so a fixed margin over it alone reads a busier moment as the
 fault (CI's demo: 25.0 ms against 21.2 healthy and 34 in the fault). A
@@ -24,6 +33,8 @@ again, no change point needed); a wrong "lasts", the plan until the next
 trial, twice as far off.
 """
 from __future__ import annotations
+
+import statistics
 
 from greyhound_bpf.diagnosis.planner import RECHECK_PAUSE_S
 
@@ -43,6 +54,9 @@ TRIAL = "trial: is the fault gone?"
 # CFS quota (100 ms), whose bursts make a fast job's iterations fast or
 # stalled (a 40 s fault at 8 ms per iteration: ~12 in a burst).
 TRIAL_MIN_S = 1.0
+# At the even split (a trial), a straggler whose compute per micro-batch is
+# this much over the others' median is still slow.
+STILL_SLOW = 0.5
 
 
 class FaultGone:
@@ -93,13 +107,16 @@ class FaultGone:
         e.trial = None
         got = span / 1e6 / self.since_plan
         plan_ms = trial.get("plan_ms")
-        bar = e.healthy_ms and e.healthy_ms * (1 + RECOVERED)
-        if bar and e.even_ms:
-            bar = max(bar, (e.healthy_ms + e.even_ms) / 2)
-        if (bar and got <= bar) or (plan_ms and got < plan_ms):
-            # Nearer healthy than the fault, or the even split now runs
-            # faster than the plan did (both means: the plan no longer
-            # pays): it stays.
+        near = e.healthy_ms and e.healthy_ms * (1 + RECOVERED)
+        bar = max(near, (e.healthy_ms + e.even_ms) / 2) if near and e.even_ms else near
+        still = self._still_slower()
+        still = still if still is not None and still >= 1 + STILL_SLOW else None
+        if (near and got <= near) or (plan_ms and got < plan_ms) or \
+                (still is None and bar and got <= bar):
+            # Within RECOVERED of healthy, or the even split now runs faster
+            # than the plan did (both means: the plan no longer pays), or
+            # nearer healthy than the fault with no rank still computing
+            # STILL_SLOW more than the others: it stays.
             self.episode = None
             return [Decision("none", f"trial at the even split ran {got:.1f} ms per iteration"
                              + (f" (healthy {e.healthy_ms:.1f}, in the fault "
@@ -108,9 +125,24 @@ class FaultGone:
                              + f": {EVEN_STAYS}", got)]
         e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
         e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        why = (f", dp rank {e.straggler} computing x{still:.2f} the others' there"
+               if still is not None else "")
         return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "
-                           f"iteration (healthy {e.healthy_ms:.1f}): the fault lasts, the plan "
-                           "returns", trial["expected_ms"])]
+                           f"iteration (healthy {e.healthy_ms:.1f}{why}): the fault lasts, "
+                           "the plan returns", trial["expected_ms"])]
+
+    def _still_slower(self) -> float | None:
+        """The straggler's compute per micro-batch over the others' median,
+        from the trial's samples (the split's change cleared the earlier
+        ones); None where that cannot be read: no samples, or several ranks
+        per dp rank (a pipeline's stages compute unlike amounts)."""
+        e = self.episode
+        dps = [self._dp(r) for r in self.ranks]
+        if e.straggler not in dps or len(set(dps)) != len(dps):
+            return None
+        comp = {self._dp(r): x.per_microbatch() for r, x in self.ranks.items()}
+        mine, others = comp.pop(e.straggler), [c for c in comp.values() if c]
+        return mine / statistics.median(others) if mine and others else None
 
     def recheck_refused(self, now_ns: int) -> None:
         """The recheck could not be had (the validation budget): a trial
