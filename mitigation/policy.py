@@ -44,10 +44,10 @@ attach, a fault the job-level detector missed). Within it:
    budget applies); a validated verdict that measures it healthy returns the
    even split and ends the episode. With validation off, a recheck refused,
    or where a trial costs less than the recheck's pause, a trial return to
-   the even split on that schedule: if the job runs nearer healthy than the
-   even split in the fault (or within RECOVERED of healthy) over `window`
-   iterations and at least `trial_min_s` (their mean: a CFS quota's bursts),
-   it stays; if not, the plan returns (mitigation.gone).
+   the even split on that schedule: it stays if, over `window` iterations
+   and `trial_min_s` (their mean), the job runs within RECOVERED of healthy,
+   or nearer healthy than in the fault with no rank still computing much
+   more at that equal work; if not, the plan returns (mitigation.gone).
 7. **At most MAX_CHANGES plan changes per episode**, besides the return to
    even.
 8. **Restarts (S3/S4)** when the trainer can checkpoint and the loss a
