@@ -532,13 +532,10 @@ def test_a_trial_reads_the_mean_of_a_bursty_fault_not_its_median():
     assert pol.slow
 
 
-def test_a_trial_nearer_healthy_than_the_fault_lasts_while_the_straggler_still_computes_slow():
-    # The even split's level in the fault was read at a bad moment (24 ms;
-    # bench_mitigation: 62.9 at the first plan, 49 in the sweeps), and at
-    # the trial the quota bites less: the job runs 14.8 ms, over 15% above
-    # healthy (10), nearer healthy than that reading, slower than the plan
-    # ran (11). At equal work rank 2 still computes 1.6x the others: the
-    # fault lasts, the plan returns.
+def trial_after_a_high_reading():
+    """quota_job's plan, 100 iterations of it, and a trial return to even,
+    where the even split's level in the fault was read at a bad moment
+    (24 ms; bench_mitigation: 62.9 at the first plan, 49 in the sweeps)."""
     job, pol, out = quota_job()
     apply(pol, job, plans(out)[0])
     run(pol, job, 100)
@@ -546,19 +543,22 @@ def test_a_trial_nearer_healthy_than_the_fault_lasts_while_the_straggler_still_c
     pol.recheck_refused(job.now + int(60e9))
     (trial,) = pol.trial_due(job.now + int(61e9))
     apply(pol, job, trial)
+    return job, pol
+
+
+def test_a_trial_nearer_healthy_than_the_fault_lasts_while_the_straggler_still_computes_slow():
+    # At the trial the quota bites less: the job runs 14.8 ms, over 15%
+    # above healthy (10), nearer healthy than the fault's reading, slower
+    # than the plan ran (11). At equal work rank 2 still computes 1.6x the
+    # others: the fault lasts, the plan returns.
+    job, pol = trial_after_a_high_reading()
     job.quota[2] = (5, 1.6)
     (back,) = plans(run(pol, job, 120))
     assert back.plan["microbatches"][2] < 8 and "the fault lasts" in back.reason
     assert "dp rank 2 computing x1.60" in back.reason and pol.slow
     # The same trial where every rank runs slower alike (a busier host,
     # the fault gone): the even split stays.
-    job, pol, out = quota_job()
-    apply(pol, job, plans(out)[0])
-    run(pol, job, 100)
-    pol.episode.even_ms = 24.0
-    pol.recheck_refused(job.now + int(60e9))
-    (trial,) = pol.trial_due(job.now + int(61e9))
-    apply(pol, job, trial)
+    job, pol = trial_after_a_high_reading()
     job.quota.clear()
     job.wait_ms = 4.8
     out = run(pol, job, 120)
