@@ -116,7 +116,7 @@ def start_job(work: Path, ctl: Path):
     return job, ranks
 
 
-def sweep(job, writer: ControlWriter, hold: float) -> list[tuple[int, int, int]]:
+def sweep(writer: ControlWriter, hold: float) -> list[tuple[int, int, int]]:
     """Hold every split of the slow rank's micro-batches from the even one
     down and back up (SWEEP, then reversed), each written to the control file
     and held `hold` seconds; returns (split, from, to) for each hold."""
@@ -155,10 +155,10 @@ def split_times(truth: list[dict], held: list[tuple[int, int, int]]) -> dict:
             "held_out_ms": statistics.mean(held_out) if held_out else float("nan")}
 
 
-def swept(job, pid: int, share: float, ctl: Path, args) -> list[tuple[int, int, int]]:
+def swept(pid: int, share: float, ctl: Path, args) -> list[tuple[int, int, int]]:
     """The fault (`pid` at half of `share`) for one `sweep`, then lifted."""
     with CpuQuota(pid, max(0.02, share / 2)):
-        return sweep(job, ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
+        return sweep(ControlWriter(ctl), args.fault / (2 * len(SWEEP)))
 
 
 def sweeps_run(work: Path, args, count: int) -> tuple[float, list[dict]]:
@@ -173,7 +173,7 @@ def sweeps_run(work: Path, args, count: int) -> tuple[float, list[dict]]:
         for k in range(count):
             if k:
                 time.sleep(5)
-            helds.append(swept(job, ranks[SLOW_RANK], share, ctl, args))
+            helds.append(swept(ranks[SLOW_RANK], share, ctl, args))
         truth = job.truth_records()
     finally:
         job.close()
@@ -249,7 +249,7 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
             # as this launch runs them (one split moves by up to 18% between
             # launches; within one, by up to 20% too: `--noise`).
             time.sleep(5)
-            held = swept(job, ranks[SLOW_RANK], share, ctl, args)
+            held = swept(ranks[SLOW_RANK], share, ctl, args)
         truth = job.truth_records()
     finally:
         if quota is not None:
@@ -305,7 +305,14 @@ def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
             "applied_s": (first_applied - fault_ns) / 1e9 if first_applied else None,
             "even_again_s": (back["time_ns"] - lift_ns) / 1e9 if back else None,
             "sweep": split_times(truth, held) if held else None,
+            "last_on_slow": on_slow[-1] if on_slow else None,
             "last_expected_ms": next((e.get("expected_ms") for e in in_fault[::-1]), None)}
+
+
+def gained(got: float, base: float, best: float) -> float:
+    """(got - base) / (best - base): what a run won over `base` as a share of
+    what the best could win; nan where the best wins nothing."""
+    return (got - base) / (best - base) if best > base else float("nan")
 
 
 def modelled(adv: dict) -> float:
@@ -374,29 +381,20 @@ def main(argv=None) -> int:
         lost = healthy_n - nothing["iterations"]
         achievable = best_n - nothing["iterations"]
         rec = mit["iterations"] - nothing["iterations"]
-        rec_adv = mit["iterations"] - adv["iterations"]
         nan = float("nan")
         rnd.update(lost=lost, recovered=rec, achievable=achievable,
-                   of_loss=rec / lost if lost > 0 else nan,
-                   of_achievable=rec / achievable if achievable > 0 else nan,
-                   of_held_out=rec / (held_n - nothing["iterations"])
-                   if held_n > nothing["iterations"] else nan,
-                   adv_of_achievable=rec_adv / (best_n - adv["iterations"])
-                   if best_n > adv["iterations"] else nan)
+                   of_loss=gained(mit["iterations"], nothing["iterations"], healthy_n),
+                   of_achievable=gained(mit["iterations"], nothing["iterations"], best_n),
+                   of_held_out=gained(mit["iterations"], nothing["iterations"], held_n),
+                   adv_of_achievable=gained(mit["iterations"], adv["iterations"], best_n))
         if mit["sweep"]:
             # The same figures within the mitigated launch: its own sweep's
             # even split is doing nothing, its fastest split the achievable.
-            ms, f_s = mit["sweep"], mit["fault_s"]
-            even_in, best_in = f_s * 1e3 / ms["even_ms"], f_s * 1e3 / ms["best_ms"]
+            ms, n = mit["sweep"], lambda x: mit["fault_s"] * 1e3 / x  # noqa: E731
             rnd["same"] = dict(
-                recovered=mit["iterations"] - even_in,
-                of_achievable=(mit["iterations"] - even_in) / (best_in - even_in)
-                if best_in > even_in else nan,
-                of_held_out=(mit["iterations"] - even_in)
-                / (f_s * 1e3 / ms["held_out_ms"] - even_in)
-                if f_s * 1e3 / ms["held_out_ms"] > even_in else nan,
-                held_ms=ms["split_ms"].get(TOTAL_MB - int(mit["splits"][-1].split(":")[0]))
-                if mit["splits"] else None)
+                of_achievable=gained(mit["iterations"], n(ms["even_ms"]), n(ms["best_ms"])),
+                of_held_out=gained(mit["iterations"], n(ms["even_ms"]), n(ms["held_out_ms"])),
+                held_ms=ms["split_ms"].get(mit["last_on_slow"]))
         rounds.append(rnd)
         print(f"round {i + 1}/{args.rounds}: healthy {nothing['healthy_ms']:.1f} ms; in "
               f"{fault_s:.0f} s of fault: nothing {nothing['iterations']} iterations, advise "
