@@ -137,10 +137,9 @@ class FaultGone:
         ones); None where that cannot be read: no samples, or several ranks
         per dp rank (a pipeline's stages compute unlike amounts)."""
         e = self.episode
-        dps = [self._dp(r) for r in self.ranks]
-        if e.straggler not in dps or len(set(dps)) != len(dps):
-            return None
         comp = {self._dp(r): x.per_microbatch() for r, x in self.ranks.items()}
+        if e.straggler not in comp or len(comp) != len(self.ranks):
+            return None
         mine, others = comp.pop(e.straggler), [c for c in comp.values() if c]
         return mine / statistics.median(others) if mine and others else None
 
