@@ -360,7 +360,7 @@ class Controller:
         cpu = {n: self.inputs.machine.get(n) for n in asked
                if any(d.get("gpu") is None for d in self.inputs.present.get(n, {}).values())}
         order = turns(asked, cpu)
-        if len(order) > 1:
+        if len(order) > 1 and not self.muted:
             self.say(f"validation {ev['id']}: nodes {', '.join(sorted(asked))} share a "
                      f"machine's CPUs: measured in {len(order)} turns")
         v = self.validations[int(ev["id"])] = {
