@@ -244,67 +244,6 @@ def test_a_plan_reaches_the_agents_control_file_and_a_deposed_leaders_does_not(b
     assert got == [1, 3]
 
 
-def _validation_turns(bed, gpus: dict[str, str | None]) -> tuple[list[list[str]], dict]:
-    """Two real agents on this host, a (rank 0) and b (rank 1), each rank
-    with the GPU `gpus[node]`; the controller's validation request for both
-    devices. The test plays each agent's attach loop: it measures what its
-    agent hands it, and says which nodes measured together. Returns those
-    turns and the merged measurements the analysis got."""
-    from greyhound_bpf.analysis import Validated
-    from greyhound_bpf.events import make_event
-    ctl, events, said = make_controller(bed)
-    fed = []
-    ctl.record = fed.append
-    agents = {n: Agent(endpoint(bed.url, f"agent-{n}", bed.secret_file(f"agent-{n}")), JOB,
-                       n, say=said.append) for n in ("a", "b")}
-    try:
-        for rank, (n, agent) in enumerate(agents.items()):
-            agent.sink({"kind": "attach", "ranks": [
-                {"pid": os.getpid(), "rank": rank, "local_rank": 0, "world_size": 2,
-                 "comm": "python", "gpu": gpus[n]}]})
-        ctl.start()
-        run_until(ctl, lambda: ctl.node_of_rank(0) == "a" and ctl.node_of_rank(1) == "b",
-                  20, "both nodes' hellos", said)
-        time.sleep(0.6)                      # the agents read from the newest command on
-        ctl._route(make_event("validation", JOB, time.time_ns(), phase="request", id=7,
-                              devices=[0, 1], edges=[], reason="test", suspects=[1]))
-        turns, busy, last = [], {}, [0.0]
-
-        def step():
-            for n, agent in agents.items():
-                for req in agent.take_requests():
-                    busy[n], last[0] = req, time.monotonic()
-            if busy and time.monotonic() - last[0] > 1.0:     # no other node's came since
-                turns.append(sorted(busy))
-                for n, req in busy.items():
-                    agents[n].validated(req["id"], {
-                        "devices": {str(d): {"ms_per_gemm": 5.0 + d} for d in req["devices"]},
-                        "seconds": 2.0, "paused_s": 1.0, "pauses": 1})
-                busy.clear()
-            return [i for i in fed if isinstance(i, Validated)]
-        done = run_until(ctl, step, 30, "the merged measurements", said)
-        assert [i for i in fed if isinstance(i, Validated)] == done
-        return turns, done[0].result
-    finally:
-        for agent in agents.values():
-            agent.close()
-
-
-def test_nodes_on_one_hosts_cpus_validate_in_turns_and_gpu_nodes_at_once(bed, fresh):
-    """Nodes whose ranks compute on the CPUs of one host (namespaces or
-    containers: their agents say the same boot id) measure their devices one
-    node at a time: at once, their GEMMs timed each other (in CI, a healthy
-    rank read x1.52 beside two other nodes' GEMMs on 2 cores). Nodes with
-    GPUs of their own measure at once. Either way the merged measurements
-    hold every device."""
-    turns, got = _validation_turns(bed, {"a": None, "b": None})
-    assert turns == [["a"], ["b"]]
-    assert sorted(got["devices"]) == ["0", "1"] and got["seconds"] == 4.0
-    turns, got = _validation_turns(bed, {"a": "GPU-aaaa", "b": "GPU-bbbb"})
-    assert turns == [["a", "b"]]
-    assert sorted(got["devices"]) == ["0", "1"] and got["seconds"] == 2.0
-
-
 def test_refused_credentials_and_a_password_on_the_command_line(bed, fresh, tmp_path):
     wrong = tmp_path / "wrong"
     wrong.write_text("nope\n")

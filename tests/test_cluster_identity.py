@@ -1,10 +1,10 @@
 """Who is who across nodes (issue #14): the job's name from a rank's
 environment, stream names that cannot smuggle a key pattern, and the census
-of ranks the agents announce, and the turns in which nodes validate."""
+of ranks the agents announce."""
 import pytest
 
 from greyhound_bpf.cluster.identity import (IdentityError, census, commands_stream,
-                                            events_stream, job_identity, turns)
+                                            events_stream, job_identity)
 
 
 def test_the_job_is_named_as_its_launcher_names_it():
@@ -45,12 +45,3 @@ def test_the_census_wants_every_rank_once():
     c = census({"a": [{"rank": 0, "world_size": 1}, {"rank": 3, "world_size": 1}]})
     assert c.outside == [3] and not c.complete
     assert not census({}).complete
-
-
-def test_nodes_on_one_machines_cpus_take_turns_and_the_others_go_first():
-    # h1 holds three CPU nodes, h2 one; g has GPUs of its own (no machine said).
-    machine = {"a": "h1", "b": "h1", "c": "h1", "d": "h2", "g": None}
-    assert turns({"a", "b", "c", "d", "g"}, machine) == [["a", "d", "g"], ["b"], ["c"]]
-    assert turns({"a", "d"}, machine) == [["a", "d"]]
-    assert turns({"x", "y"}, {}) == [["x", "y"]]           # agents that say no machine
-    assert turns(set(), machine) == [[]]

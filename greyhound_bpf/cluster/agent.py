@@ -7,8 +7,8 @@ one thread does all the Redis I/O, so a slow or absent Redis never stalls
 the tracer. What it publishes:
 
 - `hello`: the node's ranks (pid, its start time, rank, local rank, world
-  size, network namespace, GPU) and the host's boot id, again whenever they
-  change and after every reconnection;
+  size, network namespace), again whenever they change and after every
+  reconnection;
 - `iterations`: each rank's iterations since the last batch, every BATCH_S;
 - `event`: the local slowdowns, verdicts, validations, losses and exits;
 - `acks`: the node's trainers' acknowledgements, when they change;
@@ -68,17 +68,6 @@ def _netns(pid: int) -> str | None:
         return None
 
 
-def machine_id() -> str | None:
-    """This host's boot id: one per running kernel, the same in every
-    namespace and container on it (the controller measures the CPUs of
-    one host one node at a time)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
 def _start_time(pid: int) -> int | None:
     from ..probe.discovery import read_stat
     st = read_stat(pid)
@@ -90,7 +79,6 @@ class Agent:
                  say=print, now_ns=time.time_ns, env=os.environ):
         self.ep, self.job, self.node, self.say, self.now_ns = ep, job, node, say, now_ns
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.machine = machine_id()
         r = client(ep, env)
         self.bus = AgentBus(r, job, node, self.incarnation)
         self.cmd_stream = commands_stream(job)
@@ -219,8 +207,7 @@ class Agent:
                 for d in ev.get("ranks", ()):
                     pid = int(d["pid"])
                     self.ranks[pid] = {k: d.get(k) for k in
-                                       ("pid", "rank", "local_rank", "world_size", "comm",
-                                        "gpu")}
+                                       ("pid", "rank", "local_rank", "world_size", "comm")}
                     self.ranks[pid].update(start_time=_start_time(pid), netns=_netns(pid))
                     self.hello_due = True
             elif kind == "iteration":
@@ -257,8 +244,7 @@ class Agent:
     def _flush(self) -> None:
         t = self.now_ns()
         if self.hello_due:
-            self.bus.hello(t, sorted(self.ranks.values(), key=lambda d: d["pid"]),
-                           machine=self.machine)
+            self.bus.hello(t, sorted(self.ranks.values(), key=lambda d: d["pid"]))
             self.hello_due = False
         batch = {pid: items for pid, items in sorted(self.pending.items()) if items}
         if batch:
@@ -352,8 +338,6 @@ class Agent:
         """The part of a request measurable here: this node's devices, and
         the edges with both ends on it (nothing here: an empty answer, so
         that the controller does not wait)."""
-        if d.get("nodes") is not None and self.node not in d["nodes"]:
-            return                        # another node's turn (this node's comes later)
         mine = {r["rank"] for r in self.ranks.values() if r.get("rank") is not None}
         devices = [r for r in d.get("devices", []) if r in mine]
         edges = [e for e in d.get("edges", []) if e[0] in mine and e[1] in mine]

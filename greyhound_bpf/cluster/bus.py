@@ -40,12 +40,9 @@ class AgentBus:
                                          "inc": self.incarnation, "data": json.dumps(data)},
                            maxlen=MAXLEN, approximate=True)
 
-    def hello(self, t_ns: int, ranks: list[dict], begin_ns: int | None = None,
-              machine: str | None = None) -> str:
-        """`ranks`: pid, rank, local_rank, world_size, comm (and gpu, where
-        there are GPUs) of each local rank; `machine`: the host's boot id
-        (agents of one host, in namespaces or containers, say the same)."""
-        return self.publish("hello", t_ns, ranks=ranks, begin_ns=begin_ns, machine=machine)
+    def hello(self, t_ns: int, ranks: list[dict], begin_ns: int | None = None) -> str:
+        """`ranks`: pid, rank, local_rank, world_size, comm of each local rank."""
+        return self.publish("hello", t_ns, ranks=ranks, begin_ns=begin_ns)
 
     def iterations(self, t_ns: int, by_pid: dict[int, list[dict]]) -> str:
         """The node's ranks' iterations since the last batch: one message."""
@@ -182,7 +179,6 @@ class JobInputs:
         self.node_of: dict[int, str] = {}
         self.present: dict[str, dict[int, dict]] = {}   # node -> key -> its hello entry
         self.incarnation: dict[str, str] = {}
-        self.machine: dict[str, str | None] = {}         # node -> its host's boot id
         self.acks: dict[str, dict] = {}                  # node -> rank -> ack doc
         self.lost: dict[str, dict[int, dict]] = {}      # node -> its ranks, while it is lost
         self._last: dict[tuple[str, str], int] = {}
@@ -238,7 +234,6 @@ class JobInputs:
         again = self.incarnation.get(m.node) != m.incarnation
         self.incarnation[m.node] = m.incarnation
         self.present[m.node] = now
-        self.machine[m.node] = m.data.get("machine")
         added = tuple(d for k, d in now.items() if again or k not in before)
         exited = tuple(k for k in before if k not in now)
         if not added and not exited:

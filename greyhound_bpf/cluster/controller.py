@@ -31,7 +31,7 @@ from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, 
 from ..events import make_event
 from .agent import HEARTBEAT_S, RETRY_S
 from .bus import ControllerBus, JobInputs, Message
-from .identity import census, commands_stream, turns
+from .identity import census, commands_stream
 
 LOST_AFTER = 3                  # heartbeats
 HOLD_S = 0.6                    # inputs wait this long for other nodes' of the same time
@@ -349,32 +349,17 @@ class Controller:
 
     def _validate(self, ev: dict) -> None:
         """Ask the agents; each measures its node's devices and the edges
-        inside it: at once, but nodes computing on the CPUs of one host in
-        turns (identity.turns). Then (phase two, once they all answered)
-        the edges between nodes, by workers on both ends
-        (diagnosis.crosslinks)."""
+        inside it. Then (phase two, once they all answered) the edges
+        between nodes, by workers on both ends (diagnosis.crosslinks)."""
         devices, edges = ev.get("devices") or [], ev.get("edges") or []
         node = self.node_of_rank
-        asked = self._present({node(r) for r in devices}
-                              | {node(a) for a, b in edges if node(a) == node(b)})
-        cpu = {n: self.inputs.machine.get(n) for n in asked
-               if any(d.get("gpu") is None for d in self.inputs.present.get(n, {}).values())}
-        order = turns(asked, cpu)
-        if len(order) > 1 and not self.muted:
-            self.say(f"validation {ev['id']}: nodes {', '.join(sorted(asked))} share a "
-                     f"machine's CPUs: measured in {len(order)} turns")
-        v = self.validations[int(ev["id"])] = {
-            "asked": asked, "results": {}, "links": {}, "phase": "nodes", "turns": order,
-            "order": [list(t) for t in order],
+        asked = {node(r) for r in devices} | {node(a) for a, b in edges if node(a) == node(b)}
+        self.validations[int(ev["id"])] = {
+            "asked": self._present(asked), "results": {}, "links": {}, "phase": "nodes",
             "across": sorted({(min(a, b), max(a, b)) for a, b in edges if node(a) != node(b)}),
-            "request": {k: ev.get(k) for k in ("id", "devices", "edges", "reason", "suspects")}}
-        self._turn(v, ev["time_ns"])
-
-    def _turn(self, v: dict, t_ns: int) -> None:
-        """The next turn's nodes are asked."""
-        v["turn"] = set(v["turns"].pop(0))
-        v["until"] = time.monotonic() + VALIDATE_WAIT_S
-        self._command("validate", t_ns, {**v["request"], "nodes": sorted(v["turn"])})
+            "until": time.monotonic() + VALIDATE_WAIT_S}
+        self._command("validate", ev["time_ns"], {k: ev.get(k) for k in (
+            "id", "devices", "edges", "reason", "suspects")})
 
     def _present(self, nodes) -> set:
         return {n for n in nodes if n and not self.nodes.get(n, NodeState("", 0)).lost}
@@ -393,12 +378,8 @@ class Controller:
 
     def _validations_done(self, now: float) -> None:
         for rid, v in list(self.validations.items()):
-            def turn_over():
-                return self._present(v["turn"]) <= set(v["results"]) or now >= v["until"]
-            while v["phase"] == "nodes" and v["turns"] and turn_over():
-                self._turn(v, self.now_ns())
             answered = v["asked"] <= set(v["results"])
-            if v["phase"] == "nodes" and turn_over():
+            if v["phase"] == "nodes" and (answered or now >= v["until"]):
                 node = self.node_of_rank
                 group = sorted({r for e in v["across"] for r in e})
                 involved = {node(r) for r in group}
@@ -422,9 +403,6 @@ class Controller:
         out["rounds"] += next((r["rounds"] for r in v["links"].values() if r.get("rounds")), [])
         out["untested"] += links["untested"]
         out["paused_s"] = max(out["paused_s"], links["paused_s"])
-        # Turns ran one after another, the nodes of one turn at once.
-        out["seconds"] = sum(max((v["results"].get(n, {}).get("seconds", 0) for n in t),
-                                 default=0) for t in v["order"])
         for k in ("pauses", "seconds"):
             out[k] += links[k]
         node = self.node_of_rank

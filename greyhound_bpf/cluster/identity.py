@@ -58,19 +58,6 @@ def commands_stream(job: str) -> str:
     return f"gh:{check_name('job', job)}:cmd"
 
 
-def turns(nodes, machine: dict[str, str | None]) -> list[list[str]]:
-    """The nodes asked to validate, in turns. Nodes whose ranks compute on
-    the CPUs of one machine (`machine[node]`: its id, None for a node with
-    GPUs of its own or none said) measure one at a time, or their GEMMs
-    would time each other, not the ranks: one node of each machine per
-    turn. Every other node measures in the first."""
-    by: dict = {}
-    for n in sorted(nodes):
-        by.setdefault(machine.get(n) or ("node", n), []).append(n)
-    return [sorted(g[i] for g in by.values() if i < len(g))
-            for i in range(max(map(len, by.values()), default=1))]
-
-
 @dataclass
 class Census:
     """Ranks 0..world-1, each announced exactly once across the nodes."""
