@@ -69,6 +69,34 @@ def test_a_verdict_a_plan_tests_is_validated_only_if_the_plan_does_not_run_as_pr
     assert p.plan_answer(1, True, "too late", int((2 + PLAN_HOLD_S + 2) * S)) == []
 
 
+def test_a_verdict_naming_nothing_does_not_displace_a_waiting_named_one():
+    # CI's demo: the passive look at the fault's onset named rank 2 and plan
+    # 1 was its test; a verdict naming nothing (an earlier window of the same
+    # onset) came 0.1 s later and took its place: the plan's answer then
+    # found nothing to confirm, and nothing was validated either.
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(named(), 2 * S, plan=1)
+    assert p.consider(unknown(), int(2.1 * S)) == []
+    (f,) = p.plan_answer(1, True, "the job ran 35.4 ms (predicted 40.1)", 3 * S)
+    assert f["phase"] == "skipped" and f["confirmed_by"] == "plan" and f["ranks"] == [2]
+    # Waiting for the one in flight, the same: the named one is measured next.
+    p = ValidationPlanner()
+    slow(p, 0)
+    (req,) = p.consider(named(1), 2 * S)
+    p.consider(named(), 3 * S)
+    p.consider(unknown(), 4 * S)
+    finish(p, req, 5, 2.0, Diagnosis("validation", "unknown", "nothing slow", 10))
+    (f,) = p.tick(10 * S)
+    assert f["phase"] == "request" and "rank 2" in f["reason"]
+    # A named verdict still takes the place of one naming nothing.
+    p = ValidationPlanner()
+    slow(p, 0)
+    p.consider(unknown(), 2 * S)
+    (f,) = p.consider(named(), 3 * S)
+    assert f["phase"] == "request" and "rank 2" in f["reason"]
+
+
 def test_what_validation_named_is_not_measured_again():
     # Under a plan the detector sees the job slow down and recover as the
     # split changes; each new passive look at the same fault named it again

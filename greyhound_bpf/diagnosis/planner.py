@@ -48,6 +48,12 @@ answers with requests (`validation` events) that the validator serves.
   after, bench_mitigation) and a pause of the whole job: `phase: skipped`,
   and what it named counts as known. If not, or with no answer in
   PLAN_HOLD_S, it is validated as any other.
+- A verdict that names nothing never takes the place of a waiting one that
+  names something: it says less, and the named one's validation measures
+  every device and link anyway. (In a CI run of the demo, the fault's onset
+  gave a verdict naming nothing just after the one naming rank 2 that plan
+  1 was testing; it took that one's place, the plan's answer found nothing
+  waiting for it, and the fault was neither confirmed nor validated.)
 - One validation at a time.
 """
 from __future__ import annotations
@@ -159,6 +165,8 @@ class ValidationPlanner:
         held = self.pending
         if held is not None and held.plan is not None and _what(held.verdict) == _what(v):
             return []             # the same verdict again: still held for its plan's answer
+        if held is not None and held.verdict.named and not v.named:
+            return []             # says less than the one waiting (whose request measures all)
         self.pending = _Pending(v, now_ns)
         if plan is not None and v.cause == "computation" and v.straggler is not None \
                 and not (self.known == _what(v) and self._known_within(now_ns)):
