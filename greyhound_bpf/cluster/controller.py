@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, Tick, Validated
+from ..diagnosis.rules import outliers
 from ..events import make_event
 from .agent import HEARTBEAT_S, RETRY_S
 from .bus import ControllerBus, JobInputs, Message
@@ -219,10 +220,12 @@ class Controller:
                 self._hold(Activity(m.t_ns, f"{m.node}:{d['id']}", d["what"], d["start_ns"],
                                     d.get("end_ns")))
             elif m.kind == "validated":
-                v = self.validations.get(int(m.data["request"]))
+                req = int(m.data["request"])         # negative: a second look (_second_look)
+                v = self.validations.get(abs(req))
                 res = m.data.get("result") or {}
                 if v is not None:
-                    v["links" if res.get("between_nodes") else "results"][m.node] = res
+                    part = "again" if req < 0 else "links" if res.get("between_nodes") else "results"
+                    v[part][m.node] = res
             elif m.kind == "links_store":
                 self._links_store(m)
 
@@ -355,7 +358,8 @@ class Controller:
         node = self.node_of_rank
         asked = {node(r) for r in devices} | {node(a) for a, b in edges if node(a) == node(b)}
         self.validations[int(ev["id"])] = {
-            "asked": self._present(asked), "results": {}, "links": {}, "phase": "nodes",
+            "asked": self._present(asked), "results": {}, "again": {}, "links": {},
+            "phase": "nodes", "looked": None,
             "across": sorted({(min(a, b), max(a, b)) for a, b in edges if node(a) != node(b)}),
             "until": time.monotonic() + VALIDATE_WAIT_S}
         self._command("validate", ev["time_ns"], {k: ev.get(k) for k in (
@@ -377,24 +381,80 @@ class Controller:
                                                  "addr": m.data["addr"], "port": m.data["port"]})
 
     def _validations_done(self, now: float) -> None:
+        """Phases: `nodes` (each node its own part), `again` (a second look
+        at a device that read slow on one pass), `links` (the edges between
+        nodes), then the merged measurements go to the analysis."""
         for rid, v in list(self.validations.items()):
-            answered = v["asked"] <= set(v["results"])
-            if v["phase"] == "nodes" and (answered or now >= v["until"]):
-                node = self.node_of_rank
-                group = sorted({r for e in v["across"] for r in e})
-                involved = {node(r) for r in group}
+            if v["phase"] == "nodes" and (v["asked"] <= set(v["results"]) or now >= v["until"]):
                 v["silent"] = sorted(v["asked"] - set(v["results"]))
-                if v["across"] and involved == self._present(involved):
-                    v.update(phase="links", asked=involved,
-                             until=time.monotonic() + VALIDATE_WAIT_S)
-                    self._command("links", self.now_ns(), {"id": rid, "group": group,
-                                                           "edges": v["across"]})
-                    continue
-                v["phase"], answered = "links", True
-            if v["phase"] == "links" and (v["asked"] <= set(v["links"]) or now >= v["until"]
-                                          or answered and not v["across"]):
+                if not self._second_look(rid, v):
+                    self._between_nodes(rid, v)
+            if v["phase"] == "again" and (v["looked"] <= set(v["again"]) or now >= v["until"]):
+                self._keep_better(v)
+                self._between_nodes(rid, v)
+            if v["phase"] == "done" or v["phase"] == "links" and (
+                    v["asked"] <= set(v["links"]) or now >= v["until"]):
                 del self.validations[rid]
                 self._hold(Validated(self.now_ns(), rid, self._merged(v)))
+
+    def _second_look(self, rid: int, v: dict) -> bool:
+        """A device slower than the others measured once only (alone on its
+        node: its node's validator had no witness to measure it beside),
+        measured again with the fastest device as a witness, each keeping
+        its better time, as one node's validator does with its own
+        (diagnosis.validator): a busy moment of a shared host rarely hits
+        the same device twice, a slow device is slow each time. Once per
+        request; False when there is nothing to look at again."""
+        devices = merge_results(v["results"], [])["devices"]
+        got = {int(r): d["ms_per_gemm"] for r, d in devices.items()
+               if d.get("ms_per_gemm") is not None}
+        if v["looked"] is not None or len(got) < 2:
+            return False
+        suspects = sorted(r for r in outliers(got)[2] if devices[str(r)].get("passes", 1) < 2)
+        witness = min(got, key=got.get)
+        again = sorted(set(suspects) | {witness})
+        looked = self._present({self.node_of_rank(r) for r in again})
+        if not suspects or not looked:
+            return False
+        v.update(phase="again", looked=looked, until=time.monotonic() + VALIDATE_WAIT_S)
+        if not self.muted:
+            self.say(f"validation {rid}: rank(s) {', '.join(map(str, suspects))} measured slow "
+                     f"on one pass: measured again, with rank {witness} (the fastest) as a witness")
+        self._command("validate", self.now_ns(), {
+            "id": -rid, "devices": again, "edges": [], "suspects": suspects,
+            "reason": f"a second look at request {rid}'s slow device(s)"})
+        return True
+
+    @staticmethod
+    def _keep_better(v: dict) -> None:
+        """The second look's answers: each device keeps its better time;
+        its pause counts among the node's (paused_s: the longest)."""
+        for node, res in v["again"].items():
+            if not res.get("devices") or node not in v["results"]:
+                continue
+            first = v["results"][node]
+            mine = first.setdefault("devices", {})
+            for r, d in res["devices"].items():
+                old = mine.get(r)
+                keep = old if old is not None and old["ms_per_gemm"] <= d["ms_per_gemm"] else d
+                mine[r] = {**keep, "passes": (old or {}).get("passes", 1) + (old is not None)}
+            first["paused_s"] = max(first.get("paused_s", 0), res.get("paused_s", 0))
+            for k in ("seconds", "pauses"):
+                first[k] = first.get(k, 0) + res.get(k, 0)
+            first["untested"] = first.get("untested", []) + [
+                f"second look: {u}" for u in res.get("untested", [])]
+
+    def _between_nodes(self, rid: int, v: dict) -> None:
+        """Phase two: the edges between nodes, by workers on both ends
+        (diagnosis.crosslinks), when every node on them is here."""
+        node = self.node_of_rank
+        group = sorted({r for e in v["across"] for r in e})
+        involved = {node(r) for r in group}
+        if not v["across"] or involved != self._present(involved):
+            v["phase"] = "done"
+            return
+        v.update(phase="links", asked=involved, until=time.monotonic() + VALIDATE_WAIT_S)
+        self._command("links", self.now_ns(), {"id": rid, "group": group, "edges": v["across"]})
 
     def _merged(self, v: dict) -> dict:
         """Both phases' measurements as one, with the rank -> node map."""
