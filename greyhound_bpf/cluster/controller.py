@@ -405,10 +405,12 @@ class Controller:
         (diagnosis.validator): a busy moment of a shared host rarely hits
         the same device twice, a slow device is slow each time. Once per
         request; False when there is nothing to look at again."""
+        if v["looked"] is not None:
+            return False
         devices = {int(r): d for r, d in merge_results(v["results"], [])["devices"].items()}
         got = {r: d["ms_per_gemm"] for r, d in devices.items()
                if d.get("ms_per_gemm") is not None}
-        if v["looked"] is not None or len(got) < 2:
+        if len(got) < 2:
             return False
         suspects = sorted(r for r in outliers(got)[2] if devices[r].get("passes", 1) < 2)
         witness = min(got, key=got.get)
