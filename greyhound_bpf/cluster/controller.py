@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, Tick, Validated
-from ..diagnosis.rules import outliers
+from ..diagnosis.rules import keep_better, outliers
 from ..events import make_event
 from .agent import HEARTBEAT_S, RETRY_S
 from .bus import ControllerBus, JobInputs, Message
@@ -437,9 +437,7 @@ class Controller:
             first = v["results"][node]
             mine = first.setdefault("devices", {})
             for r, d in res["devices"].items():
-                old = mine.get(r)
-                keep = old if old is not None and old["ms_per_gemm"] <= d["ms_per_gemm"] else d
-                mine[r] = {**keep, "passes": (old or {}).get("passes", 1) + (old is not None)}
+                mine[r] = keep_better(mine.get(r), d, "ms_per_gemm")
             first["paused_s"] = max(first.get("paused_s", 0), res.get("paused_s", 0))
             for k in ("seconds", "pauses"):
                 first[k] = first.get(k, 0) + res.get(k, 0)

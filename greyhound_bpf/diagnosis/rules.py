@@ -140,6 +140,17 @@ def outliers(values: dict, ratio: float = SLOW_RATIO, z: float = ROBUST_Z):
     return ref, spread, slow
 
 
+def keep_better(first: dict | None, again: dict | None, key: str) -> dict | None:
+    """One device's or edge's measurement and its second look: the better
+    (lower `key`) is kept, and `passes` counts the times it was measured. A
+    busy moment of a shared host rarely hits the same device twice; a slow
+    device is slow each time. A failed second look (None) is not a pass."""
+    if again is None or first is None:
+        return first if again is None else {**again, "passes": again.get("passes", 1)}
+    keep = first if first[key] <= again[key] else again
+    return {**keep, "passes": first.get("passes", 1) + 1}
+
+
 def _device_slow(details: dict, rank: int) -> bool | None:
     """Did a validation (its `details`) measure `rank`'s device slow, judged
     as `decide` judges it? None where it was not measured, or was measured

@@ -43,7 +43,8 @@ from .gpus import nvml_gpus, wait_drained
 from .cpu import IdleGroup
 from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of, netns_id
 from .workers import Worker, WorkerError, check_python, kill_now  # noqa: F401  (check_python: the CLI's)
-from .rules import Result, link_name, link_suspects, outliers, ring_edges, schedule
+from .rules import (Result, keep_better, link_name, link_suspects, outliers, ring_edges,
+                    schedule)
 
 P2P_BYTES = 4 << 20
 P2P_BYTES_GPU = 64 << 20     # NVLink/InfiniBand: launch overhead would dominate 4 MiB
@@ -322,11 +323,9 @@ class Validator:
         again = set(suspects) | {min(got, key=got.get)}
         before = {r: res.devices[r] for r in again if r in res.devices}
         self._gemm_pass(sorted(again), together, secs, res)
-        for r in again:
-            if r in before:
-                if r not in res.devices or before[r]["ms_per_gemm"] < res.devices[r]["ms_per_gemm"]:
-                    res.devices[r] = before[r]
-                res.devices[r]["passes"] = before[r].get("passes", 1) + 1
+        for r, first in before.items():  # still `first`: this GEMM failed
+            now = res.devices[r]
+            res.devices[r] = keep_better(first, None if now is first else now, "ms_per_gemm")
         return again
 
     def _links_again(self, edges, res: Result, what: str) -> bool:
@@ -336,10 +335,7 @@ class Validator:
         if again is None:
             return False
         for e, d in again.items():
-            passes = res.links[e].get("passes", 1) + 1
-            if d["rtt_ms"] < res.links[e]["rtt_ms"]:
-                res.links[e] = d
-            res.links[e]["passes"] = passes
+            res.links[e] = keep_better(res.links[e], d, "rtt_ms")
         return True
 
     def _confirm(self, ready: list[int], pids: list[int], res: Result,
