@@ -46,6 +46,7 @@ faulted window, detection and planning included:
     sudo scripts/bench_mitigation              # 3 rounds (4 runs each, ~8 min a round)
     sudo scripts/bench_mitigation --rounds 5 --fault 40
     sudo scripts/bench_mitigation --noise 3     # the sweep's own spread in one launch
+    sudo scripts/bench_mitigation --presence 6  # the plans' split, Greyhound on and off
 """
 from __future__ import annotations
 
@@ -198,6 +199,79 @@ def noise_run(work: Path, args) -> int:
     return 0
 
 
+PRESENCE_SPLIT = 3          # the slow rank's micro-batches in the plans of the runs so far
+
+
+def presence_run(work: Path, args) -> int:
+    """`--presence N`: is a plan's split slower with Greyhound attached? One
+    launch, the fault's quota held all through at the split the plans end
+    on, and N cycles of three phases: attached (probes in, the tracer
+    running), stopped (the tracer SIGSTOPped: the probes still fire, the
+    tracer takes no CPU) and detached; every other cycle detached first, so
+    that a drift of the machine falls on both sides."""
+    ctl = work / "ctl.json"
+    job, ranks = start_job(work, ctl)
+    phases, quota = [], None
+    try:
+        share = cpu_share(ranks[SLOW_RANK], args.healthy)
+        quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
+        writer = ControlWriter(ctl)
+        plan = writer.issue("rebalance_microbatches", reason="bench presence", microbatches={
+            1 - SLOW_RANK: TOTAL_MB - PRESENCE_SPLIT, SLOW_RANK: PRESENCE_SPLIT})
+        wait_for(lambda: len(writer.ack_docs()) == 2 and all(
+            d["seq"] >= plan.seq for d in writer.ack_docs().values()), 30, "the split applied")
+        time.sleep(3)
+
+        def hold(kind: str, secs: float) -> None:
+            lo = time.time_ns()
+            time.sleep(secs)
+            phases.append((kind, lo, time.time_ns()))
+
+        for k in range(args.presence):
+            if k % 2:
+                hold("detached", 12)
+            events = work / f"events-{k}.jsonl"
+            tail = JsonlTail(events)
+            tracer = subprocess.Popen([*GREYHOUND, "attach", str(job.pid), "-o", str(events),
+                                       "-q", "--no-validate"], cwd=ROOT,
+                                      stdout=open(work / f"tracer-{k}.out", "w"),
+                                      stderr=subprocess.STDOUT)
+            try:
+                wait_for(lambda: tail.kind("attach"), 60, "the attach")
+                time.sleep(3)                      # start-up is bench_attach's
+                hold("attached", 12)
+                tracer.send_signal(signal.SIGSTOP)
+                time.sleep(1)
+                hold("stopped", 10)
+            finally:
+                tracer.send_signal(signal.SIGCONT)
+                tracer.send_signal(signal.SIGINT)
+                tracer.wait(60)
+            time.sleep(2)
+            if k % 2 == 0:
+                hold("detached", 12)
+        truth = job.truth_records()
+    finally:
+        if quota is not None:
+            quota.undo()
+        job.close()
+    starts = starts_of(truth)
+    ms: dict[str, list[float]] = {}
+    for kind, lo, hi in phases:
+        ms.setdefault(kind, []).append(mean_period(starts, lo, hi))
+    split = f"{TOTAL_MB - PRESENCE_SPLIT}:{PRESENCE_SPLIT}"
+    print(f"{split} held in one launch, rank {SLOW_RANK} at half its CPU ({share / 2:.2f}); "
+          "ms per iteration (rank 0's starts, counted) in each cycle:")
+    for kind in ("attached", "stopped", "detached"):
+        print(f"  {kind:>9}  " + "  ".join(f"{x:5.1f}" for x in ms[kind])
+              + f"   median {statistics.median(ms[kind]):.1f}")
+    for kind in ("attached", "stopped"):
+        paired = [a / b for a, b in zip(ms[kind], ms["detached"])]
+        print(f"  {kind} / detached, per cycle: median {statistics.median(paired):.3f} "
+              f"({min(paired):.3f}-{max(paired):.3f})")
+    return 0
+
+
 def one_run(work: Path, mitigate: bool, args, attach: bool = True) -> dict:
     """A run with Greyhound attached (advise-only, or --mitigate), or
     without it (`attach=False`: doing nothing)."""
@@ -340,6 +414,9 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=int, default=0, metavar="N",
                    help="only run N sweeps in a row in one launch (no Greyhound) and "
                         "print how far they differ")
+    p.add_argument("--presence", type=int, default=0, metavar="N",
+                   help="only hold the plans' split under the fault in one launch, N cycles "
+                        "of Greyhound attached / stopped / detached, and print each's speed")
     p.add_argument("--keep", action="store_true",
                    help="keep each run's work directory (events, the trainer's log)")
     args = p.parse_args(argv)
@@ -347,12 +424,12 @@ def main(argv=None) -> int:
         print("bench_mitigation: needs root (BPF and cgroups): sudo scripts/bench_mitigation",
               file=sys.stderr)
         return 1
-    if args.noise < 0 or args.rounds < 1:
-        p.error("--noise and --rounds take a positive count")
-    if args.noise:
+    if args.noise < 0 or args.presence < 0 or args.rounds < 1:
+        p.error("--noise, --presence and --rounds take a positive count")
+    if args.noise or args.presence:
         work = Path(tempfile.mkdtemp(prefix="greyhound-bench-mitigation."))
         try:
-            return noise_run(work, args)
+            return noise_run(work, args) if args.noise else presence_run(work, args)
         finally:
             if args.keep:
                 print(f"kept {work}", file=sys.stderr)
