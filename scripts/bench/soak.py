@@ -12,6 +12,7 @@ Reported, with the goals of issue #12:
 
     sudo scripts/bench_soak                       # 10 minutes, 4 demo ranks
     sudo scripts/bench_soak --minutes 3 --trainer user --nproc 3
+    sudo scripts/bench_soak --trainer accum --nproc 3   # a held-out job shape
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ from harness import (DEMO_ARGS, GREYHOUND, DDPJob, JsonlTail, cpu_seconds,  # no
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--trainer", choices=("demo", "user"), default="demo")
+    p.add_argument("--trainer", choices=("demo", "user", "accum", "fsdp"), default="demo",
+                   help="demo, user (with 2 DataLoader workers a rank), or a held-out job "
+                        "shape at its defaults: accum (a transformer, no_sync "
+                        "accumulation), fsdp (FSDP2)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--keep", action="store_true", help="keep the work directory (recording)")
     args = p.parse_args(argv)
@@ -45,8 +49,8 @@ def main(argv=None) -> int:
         return 1
     work = Path(tempfile.mkdtemp(prefix="greyhound-bench-soak."))
     ctl, events = work / "ctl.json", work / "events.jsonl"
-    targs = (list(DEMO_ARGS) + ["--control-file", str(ctl)] if args.trainer == "demo"
-             else ["--workers", "2"])
+    targs = {"demo": list(DEMO_ARGS) + ["--control-file", str(ctl)],
+             "user": ["--workers", "2"]}.get(args.trainer, [])
     job = DDPJob(work, args.nproc, *targs, trainer=args.trainer, name="job")
     tracer = None
     cpu = {}

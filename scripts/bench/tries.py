@@ -20,6 +20,7 @@ Each rate is printed with its one-sided 95% lower bound (Clopper-Pearson):
     sudo scripts/bench_tries --tries 20 --seed 11 --only before
     sudo scripts/bench_tries --tries 12 --seed 17 19 23    # 3 seeds' draws, pooled
     sudo scripts/bench_tries --period-ms 100   # throttled as a container's CPU limit does
+    sudo scripts/bench_tries --trainer accum --tries 10 --seed 67   # a held-out job shape
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 NPROC = 4
 TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
+# --trainer: held-out job shapes (tests/harness.TRAINERS) run at their own
+# defaults, 3 ranks as their docstrings launch them.
+SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ())}
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
 PERIOD_MS = None            # --period-ms: the quota's CFS period (None: inject's default)
@@ -144,6 +148,10 @@ def main(argv=None) -> int:
                     help="one or more seeds: each draws --tries of each kind, as a run "
                          "with that seed alone would")
     ap.add_argument("--only", choices=("before", "after"))
+    ap.add_argument("--trainer", choices=sorted(SHAPES), default="user",
+                    help="the job: user (scripts/user_train.py, 4 ranks), or a held-out "
+                         "shape at its defaults, 3 ranks: accum (a transformer, no_sync "
+                         "accumulation), fsdp (FSDP2)")
     ap.add_argument("--period-ms", type=float,
                     help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
@@ -155,16 +163,17 @@ def main(argv=None) -> int:
         print("bench_tries: needs root (BPF, cgroups): sudo scripts/bench_tries", file=sys.stderr)
         return 1
     kinds = [k for k in ("before", "after") if args.only in (None, k)]
+    nproc, train = SHAPES[args.trainer]
     plan = []
     for seed in args.seed:
         rng = random.Random(seed)
-        plan += [(k, rng.randrange(NPROC), rng.uniform(0.25, 0.45), rng.uniform(0, 10), seed)
+        plan += [(k, rng.randrange(nproc), rng.uniform(0.25, 0.45), rng.uniform(0, 10), seed)
                  for _ in range(args.tries) for k in kinds]
     work = Path(tempfile.mkdtemp(prefix="greyhound-bench-tries."))
-    job = DDPJob(work, NPROC, *TRAIN, trainer="user", name="job")
+    job = DDPJob(work, nproc, *train, trainer=args.trainer, name="job")
     results = {k: [] for k in kinds}
     try:
-        ranks = job.ranks(NPROC)
+        ranks = job.ranks(nproc)
         job.trained(40, 240)
         time.sleep(5)
         for i, (kind, rank, share, offset, seed) in enumerate(plan):
@@ -189,7 +198,7 @@ def main(argv=None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     period = f", the quota over a {args.period_ms:g} ms period" if args.period_ms else ""
-    print(f"\n{NPROC} user_train ranks ({' '.join(TRAIN)}){period}, "
+    print(f"\n{nproc} {args.trainer} ranks ({' '.join(train) or 'its defaults'}){period}, "
           f"seed{'s' if len(args.seed) > 1 else ''} {' '.join(map(str, args.seed))}:")
     print(f"{'straggler':<26} {'seed':>5} {'named':>9} {'wrong':>6} {'delay (median)':>15} "
           f"{'rate >= (95%)':>14}")
