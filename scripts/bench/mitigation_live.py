@@ -117,17 +117,22 @@ def start_job(work: Path, ctl: Path):
     return job, ranks
 
 
+def apply_split(writer: ControlWriter, n: int, reason: str) -> None:
+    """Write the split with `n` micro-batches on the slow rank to the control
+    file, and wait until both ranks have acknowledged it."""
+    plan = writer.issue("rebalance_microbatches", reason=reason,
+                        microbatches={1 - SLOW_RANK: TOTAL_MB - n, SLOW_RANK: n})
+    wait_for(lambda: all(d["seq"] >= plan.seq for d in writer.ack_docs().values())
+             and len(writer.ack_docs()) == 2, 30, f"split {n} applied")
+
+
 def sweep(writer: ControlWriter, hold: float) -> list[tuple[int, int, int]]:
     """Hold every split of the slow rank's micro-batches from the even one
     down and back up (SWEEP, then reversed), each written to the control file
     and held `hold` seconds; returns (split, from, to) for each hold."""
     held = []
     for n in SWEEP + SWEEP[::-1]:
-        plan = writer.issue("rebalance_microbatches",
-                            microbatches={1 - SLOW_RANK: TOTAL_MB - n, SLOW_RANK: n},
-                            reason="bench sweep")
-        wait_for(lambda: all(d["seq"] >= plan.seq for d in writer.ack_docs().values())
-                 and len(writer.ack_docs()) == 2, 30, f"split {n} applied")
+        apply_split(writer, n, "bench sweep")
         lo = time.time_ns() + int(0.3e9)
         time.sleep(hold)
         held.append((n, lo, time.time_ns()))
@@ -215,11 +220,7 @@ def presence_run(work: Path, args) -> int:
     try:
         share = cpu_share(ranks[SLOW_RANK], args.healthy)
         quota = CpuQuota(ranks[SLOW_RANK], max(0.02, share / 2)).apply()
-        writer = ControlWriter(ctl)
-        plan = writer.issue("rebalance_microbatches", reason="bench presence", microbatches={
-            1 - SLOW_RANK: TOTAL_MB - PRESENCE_SPLIT, SLOW_RANK: PRESENCE_SPLIT})
-        wait_for(lambda: len(writer.ack_docs()) == 2 and all(
-            d["seq"] >= plan.seq for d in writer.ack_docs().values()), 30, "the split applied")
+        apply_split(ControlWriter(ctl), PRESENCE_SPLIT, "bench presence")
         time.sleep(3)
 
         def hold(kind: str, secs: float) -> None:
