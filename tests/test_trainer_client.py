@@ -2,8 +2,8 @@
 different steps still apply it at the same step, the global batch holds at
 every step, the parameters stay identical on every rank, and the three
 examples (plain PyTorch, Accelerate, Megatron-style) follow a plan; the
-corpus's held-out job shapes (examples/fsdp_gloo.py, transformer_accum.py)
-run."""
+corpus's held-out job shapes (examples/fsdp_gloo.py, transformer_accum.py,
+checkpoint_eval.py) run."""
 from __future__ import annotations
 
 import subprocess
@@ -192,15 +192,27 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum"])
+@pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
-    """The corpus's held-out job shapes (FSDP2; no_sync accumulation) stay
-    runnable: 2 ranks, 6 steps each, every iteration in the truth log."""
+    """The corpus's held-out job shapes (FSDP2; no_sync accumulation;
+    rank 0's checkpoints and periodic evaluation) stay runnable: 2 ranks, 6
+    steps each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
+    extra = ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
+             "--ckpt-dir", str(tmp_path)) if example == "checkpoint_eval" else ()
     proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "6",
-                    "--truth", str(truth))
+                    "--truth", str(truth), *extra)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
     rows = read_jsonl(truth)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
     assert its == [(r, i) for r in range(2) for i in range(6)]
     assert sorted(d["rank"] for d in rows if d.get("final")) == [0, 1]
+    if extra:
+        # Both ranks log the periodic phases at the same steps; rank 0's
+        # last checkpoint is whole (step 5: the second of every 3).
+        phases = {(d["rank"], d["index"]): d["phase"] for d in rows if "phase" in d}
+        assert [i for i in range(6) if phases[0, i] == "checkpoint"] == [2, 5]
+        assert [i for i in range(6) if phases[1, i] == "eval"] == [3]
+        import torch
+        assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 5
+        assert not list(tmp_path.glob("*.tmp"))
