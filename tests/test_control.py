@@ -105,6 +105,32 @@ def test_hostile_control_files_are_refused_in_bounded_time_and_memory(tmp_path, 
     assert elapsed < 2.0 and peak < 8 * MAX_DOC_BYTES, (elapsed, peak)
 
 
+def test_a_removed_control_directory_keeps_the_trainers_plan(tmp_path, record_property):
+    """The control file's directory removed after a plan was applied (the
+    live test of a lost directory, test_faults, makes it read-only): the
+    tool's next write fails with an OSError (attach then says so once and
+    advises only), its acks read as none, nothing is made again, and the
+    trainer keeps the plan it applied."""
+    import shutil
+    home = tmp_path / "ctl"
+    home.mkdir()
+    path = home / "control.json"
+    w = ControlWriter(path)
+    good = w.issue("rebalance_microbatches", microbatches={0: 3, 1: 5})
+    ctl = ControlFile(path, rank=1)
+    assert ctl.poll() == good
+    ctl.ack(good, microbatches=5)
+    assert set(w.ack_docs()) == {1}
+    shutil.rmtree(home)
+    with pytest.raises(OSError):
+        w.issue("none", reason="recovered")
+    assert w.ack_docs() == {} and w.seq == good.seq
+    assert ctl.poll() is None and ctl.plan == good and ctl.rejected == 0
+    assert not home.exists()
+    record_property("lost", "removed: the write fails (no such directory); the trainer keeps "
+                            "its plan")
+
+
 def test_writer_refuses_symlinks(tmp_path):
     target = tmp_path / "elsewhere"
     target.write_text("precious")
