@@ -8,8 +8,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-# Is the fault gone? A recheck of the straggler's device this long after the
-# plan was applied, then at doubling intervals (mitigation.policy).
+# Is the fault gone? A recheck of the straggler's device (or a trial) this
+# long after the plan was applied, then at this interval or doubling ones
+# (mitigation.gone).
 RECHECK_AFTER_S = 20.0
 
 
@@ -84,6 +85,7 @@ class Episode:
     refine_looked: bool = False          # the plan in force was measured for a refinement
     recheck_at_ns: int | None = None
     recheck_every_s: float = RECHECK_AFTER_S
+    looks_ms: float = 0.0                # what the looks at that interval cost the job
     even_ms: float | None = None         # the job's time at the even split, slow
     at_even: dict | None = None          # dp rank -> (micro-batches, mean compute) there
     trial: dict | None = None            # a trial return to even in progress

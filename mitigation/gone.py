@@ -30,7 +30,21 @@ busier now, so a fixed margin over it alone reads a busier moment as the
 fault (CI's demo: 25.0 ms against 21.2 healthy and 34 in the fault). A
 wrong "gone" costs one re-plan (the cross-section names the straggler
 again, no change point needed); a wrong "lasts", the plan until the next
-trial, twice as far off.
+trial.
+
+How often to look is a ski rental. Each look costs the job something
+while the fault lasts (a trial's span at the even split's slow speed, or
+a recheck's pause); not looking costs it the plan held after the fault has
+gone, up to one interval of it, at most (plan - healthy) / plan of each
+second (the plan's split runs no slower once the straggler is healthy,
+the even split at healthy). So the interval stays RECHECK_AFTER_S until
+the looks at it have cost as much as holding the plan one interval too
+long would, and only then doubles (to RECHECK_MAX_S): a fault of any
+length then costs at most about twice what the better of the two would
+have. It doubled after every look before, and in bench_mitigation, whose
+40 s fault gets one look, the plan outlived the fault by 25-27 s at +30%
+(the second look 40 s after the first), where a look cost the job about
+a twentieth of that.
 """
 from __future__ import annotations
 
@@ -42,8 +56,9 @@ from .restart import Decision
 
 # A slowdown is over when the job is back within this of its healthy speed.
 RECOVERED = 0.15
-# Is the fault gone? A recheck of the straggler's device RECHECK_AFTER_S
-# after the plan was applied (mitigation.episode), then at doubling intervals...
+# Is the fault gone? A look (a recheck of the straggler's device, or a
+# trial) RECHECK_AFTER_S after the plan was applied (mitigation.episode),
+# then at that interval or doubling ones (a ski rental: the docstring), up to
 RECHECK_MAX_S = 320.0
 # How a trial that keeps the even split ends its reason (readers such as
 # scripts/demo_story.py find the decision by it).
@@ -71,13 +86,36 @@ class FaultGone:
         if (e is None or not self.validate or e.recheck_at_ns is None
                 or now_ns < e.recheck_at_ns or self.straggler is None):
             return None
-        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
-        e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
         trial = self._trial_cost_ms()
         if trial is not None and trial < self._pause_ms():
             e.trial_due_ns = now_ns          # cheaper than stopping the job to measure
+            self._next_look(now_ns, trial)
             return None
+        self._next_look(now_ns, self._pause_ms())
         return e.straggler
+
+    def _next_look(self, now_ns: int, cost_ms: float | None) -> None:
+        """Schedule the look after this one, which costs the job `cost_ms`
+        while the fault lasts: at the same interval until the looks there
+        cost as much as holding the plan one interval past the fault, then
+        at twice it (the module's docstring). Where either cost is unknown,
+        at twice it at once."""
+        e = self.episode
+        hold = self._hold_share()
+        e.looks_ms += cost_ms or 0.0
+        if cost_ms is None or hold is None or e.looks_ms >= hold * e.recheck_every_s * 1e3:
+            e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+            e.looks_ms = 0.0
+        e.recheck_at_ns = now_ns + int(e.recheck_every_s * 1e9)
+
+    def _hold_share(self) -> float | None:
+        """What each second of the plan held after the fault has gone costs
+        the job, at most: (plan - healthy) / plan, from the plan's
+        prediction in the fault and the job's healthy time."""
+        e = self.episode
+        if not e.healthy_ms or not e.plan_ms or e.plan_ms <= e.healthy_ms:
+            return None
+        return (e.plan_ms - e.healthy_ms) / e.plan_ms
 
     def _pause_ms(self) -> float:
         """What a recheck would pause the job for: the last validation's
@@ -123,8 +161,8 @@ class FaultGone:
                                 f"{e.even_ms:.1f})" if e.healthy_ms and e.even_ms else "")
                              + (f" (the plan {plan_ms:.1f})" if plan_ms else "")
                              + f": {EVEN_STAYS}", got)]
-        e.recheck_at_ns = self._now_ns + int(e.recheck_every_s * 1e9)
-        e.recheck_every_s = min(RECHECK_MAX_S, 2 * e.recheck_every_s)
+        if not self.validate:                # (with it on, recheck_due scheduled it)
+            self._next_look(self._now_ns, self._trial_cost_ms())
         why = (f", dp rank {e.straggler} computing x{still:.2f} the others' there"
                if still is not None else "")
         return [self._plan(trial["plan"], f"trial at the even split ran {got:.1f} ms per "

@@ -462,6 +462,42 @@ def test_a_trial_return_to_even_when_validation_is_off():
     assert plans(run(pol, job, 120)) == [] and not pol.slow    # gone: even stays
 
 
+def test_looks_stay_20_s_apart_until_they_cost_what_a_held_plan_would():
+    """Ski rental for "is the fault gone?": a fault of 10 minutes, validation
+    off, so each look is a trial at the even split (1 s at 18 ms against the
+    plan's 12: a third of a second of the job's time). Holding the plan
+    past the fault would cost (12 - 10) / 12 of each second: the looks stay
+    20 s apart until they have cost a sixth of 20 s (10 looks), then 40 s.
+    They doubled after every look before (20, 40, 80... s: the plan outlived
+    a 40 s fault by up to 40 s)."""
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, validate=False)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    job.quota[2] = (5, 2.0)
+    run(pol, job, 4)
+    out = pol.observe(slowdown(job, 10.0, 18.0, 20, 24)) + pol.observe(verdict(job, [2]))
+    (plan,) = plans(out + run(pol, job, 10))
+    apply(pol, job, plan)
+    t0, looks, back = job.now, [], 0
+    while job.now < t0 + 600e9:
+        for d in plans(run(pol, job, 20)):
+            assert d.plan["microbatches"] == plan.plan["microbatches"]   # the plan returns
+            apply(pol, job, d)
+            back += 1
+        trial = pol.trial_due(job.now)
+        if trial:
+            assert sorted(trial[0].plan["microbatches"].values()) == [8] * 4
+            looks.append(job.now)
+            apply(pol, job, trial[0])
+    gaps = [(b - a) / 1e9 for a, b in zip([t0] + looks, looks)]
+    # A look ends 1 s (the trial) before the next interval starts.
+    assert [round(g) for g in gaps] == [20] + [21] * 9 + [41] * 9, gaps
+    assert back == len(looks) and pol.straggler == 2 and pol.episode.changes == 1
+    # What the looks cost the job in the fault: a third of a second each.
+    assert len(looks) / 3 / 600 < 0.011
+
+
 def test_a_refused_recheck_becomes_a_trial():
     # The validation budget has no room for a recheck: the policy tries the
     # even split instead, and keeps it when the job is back to healthy there.
