@@ -438,7 +438,8 @@ def test_pipeline_resplit_when_trainer_is_pipelined():
     assert not any(r.dur_ms for r in pol.ranks.values())
 
 
-def test_a_trial_return_to_even_when_validation_is_off():
+def unvalidated_quota_job():
+    """quota_job's fault with validation off: the plan made and applied."""
     job = Job([1.0] * 4)
     pol = SkiRentalPolicy(min_lasted_s=BLIP_S, validate=False)
     pol.acks(job.acks())
@@ -446,9 +447,13 @@ def test_a_trial_return_to_even_when_validation_is_off():
     job.quota[2] = (5, 2.0)
     run(pol, job, 4)
     out = pol.observe(slowdown(job, 10.0, 18.0, 20, 24)) + pol.observe(verdict(job, [2]))
-    out += run(pol, job, 10)
-    plan = plans(out)[0]
+    (plan,) = plans(out + run(pol, job, 10))
     apply(pol, job, plan)
+    return job, pol, plan
+
+
+def test_a_trial_return_to_even_when_validation_is_off():
+    job, pol, plan = unvalidated_quota_job()
     assert pol.recheck_due(job.now + int(600e9)) is None          # no validation
     trial = pol.trial_due(job.now + int(60e9))
     assert sorted(trial[0].plan["microbatches"].values()) == [8, 8, 8, 8]
@@ -470,15 +475,7 @@ def test_looks_stay_20_s_apart_until_they_cost_what_a_held_plan_would():
     20 s apart until they have cost a sixth of 20 s (10 looks), then 40 s.
     They doubled after every look before (20, 40, 80... s: the plan outlived
     a 40 s fault by up to 40 s)."""
-    job = Job([1.0] * 4)
-    pol = SkiRentalPolicy(min_lasted_s=BLIP_S, validate=False)
-    pol.acks(job.acks())
-    run(pol, job, 20)
-    job.quota[2] = (5, 2.0)
-    run(pol, job, 4)
-    out = pol.observe(slowdown(job, 10.0, 18.0, 20, 24)) + pol.observe(verdict(job, [2]))
-    (plan,) = plans(out + run(pol, job, 10))
-    apply(pol, job, plan)
+    job, pol, plan = unvalidated_quota_job()
     t0, looks, back = job.now, [], 0
     while job.now < t0 + 600e9:
         for d in plans(run(pol, job, 20)):
