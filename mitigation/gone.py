@@ -39,12 +39,12 @@ gone, up to one interval of it, at most (plan - healthy) / plan of each
 second (the plan's split runs no slower once the straggler is healthy,
 the even split at healthy). So the interval stays RECHECK_AFTER_S until
 the looks at it have cost as much as holding the plan one interval too
-long would, and only then doubles (to RECHECK_MAX_S): a fault of any
-length then costs at most about twice what the better of the two would
-have. It doubled after every look before, and in bench_mitigation, whose
-40 s fault gets one look, the plan outlived the fault by 25-27 s at +30%
-(the second look 40 s after the first), where a look cost the job about
-a twentieth of that.
+long would, and only then doubles (to RECHECK_MAX_S): however long the
+fault, the looks have then cost the job at most about twice what holding
+the plan one interval past it can. It doubled after every look before,
+and in bench_mitigation, whose 40 s fault gets one look, the plan
+outlived the fault by 25-27 s at +30% (the second look 40 s after the
+first), where a look cost the job about a twentieth of that.
 """
 from __future__ import annotations
 
