@@ -86,12 +86,12 @@ class FaultGone:
         if (e is None or not self.validate or e.recheck_at_ns is None
                 or now_ns < e.recheck_at_ns or self.straggler is None):
             return None
-        trial = self._trial_cost_ms()
-        if trial is not None and trial < self._pause_ms():
+        trial, pause = self._trial_cost_ms(), self._pause_ms()
+        cheaper = trial is not None and trial < pause
+        self._next_look(now_ns, trial if cheaper else pause)
+        if cheaper:
             e.trial_due_ns = now_ns          # cheaper than stopping the job to measure
-            self._next_look(now_ns, trial)
             return None
-        self._next_look(now_ns, self._pause_ms())
         return e.straggler
 
     def _next_look(self, now_ns: int, cost_ms: float | None) -> None:

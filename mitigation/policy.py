@@ -41,8 +41,8 @@ attach, a fault the job-level detector missed). Within it:
 6. **Is the fault gone?** Evidence that does not depend on the plan: a
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
    after the plan was applied, then at that or doubling intervals (a ski
-   rental: mitigation.gone; the validation budget applies); a validated verdict that measures it healthy returns the
-   even split and ends the episode. With validation off, a recheck refused,
+   rental: mitigation.gone; the validation budget applies); a validated
+   verdict that measures it healthy returns the even split and ends it. With validation off, a recheck refused,
    or where a trial costs less than the recheck's pause, a trial return to
    the even split on that schedule: it stays if, over `window` iterations
    and `trial_min_s` (their mean), the job runs within RECOVERED of healthy,

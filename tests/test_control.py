@@ -4,6 +4,7 @@ gradient of an uneven micro-batch split equal to the even split's."""
 import json
 import logging
 import os
+import shutil
 import time
 import tracemalloc
 
@@ -111,7 +112,6 @@ def test_a_removed_control_directory_keeps_the_trainers_plan(tmp_path, record_pr
     tool's next write fails with an OSError (attach then says so once and
     advises only), its acks read as none, nothing is made again, and the
     trainer keeps the plan it applied."""
-    import shutil
     home = tmp_path / "ctl"
     home.mkdir()
     path = home / "control.json"
