@@ -23,7 +23,10 @@ time), rank s is a computation straggler when
 - it has the largest compute in >= CONSISTENT of its iterations, against the
   others' medians (a busy host deschedules ranks in turn; a fault lasts);
 - and all of this on `looks` consecutive looks, `every` iterations apart,
-  spanning at least MIN_S seconds.
+  spanning at least MIN_S seconds. Once a look has passed, the looks after
+  it that name the same rank need HOLD of the excess bar only (hysteresis,
+  as a Schmitt trigger has: a straggler near the bar, whose median swings
+  around it, is not restarted by every look that falls a hair under).
 
 The window is `window` iterations, or fewer when the job is slow: enough to
 span WINDOW_S seconds, never under MIN_WINDOW (looks come closer in
@@ -75,6 +78,14 @@ REL_EXCESS = 0.60
 WAIT_SHARE = 0.5
 CONSISTENT = 0.90
 MIN_S = 3.0
+# Set on the tune split's checkpointing job (bench_tries' miss, seed 89): a
+# straggler that costs the job about the bar (rank 0 at a quarter of its CPU
+# read 0.30-0.32 of the iteration) had a look at 0.299 restart its streak,
+# and a 4 s checkpoint then kept the streak from closing within 15 s. The
+# hold cannot start a streak: in the corpus (both splits) no look outside a
+# fault begins one even with the excess bar at 0.15, the other bars reject
+# them all.
+HOLD = 0.8
 # A slow job's window: what 16 iterations span at ~190 ms (the corpus's
 # slow-at-attach jobs run at 100-300 ms), and at least 8 iterations, which
 # the tune split's healthy stretches keep under the bars above.
@@ -176,7 +187,8 @@ class CrossSection:
     def _compare(self, win: dict, centre, bar: float) -> tuple[bool, dict, float, dict]:
         """Each rank's compute (at an even share of the work) and wait by
         `centre` over the window; the suspect is the rank computing most.
-        Whether it clears `bar` of the iteration and REL_EXCESS of the
+        Whether it clears `bar` of the iteration (HOLD of it when the
+        suspect is the streak's rank) and REL_EXCESS of the
         others' compute while they wait WAIT_SHARE of that longer; the
         numbers a verdict reports; the others' largest compute; the scale."""
         scale = self._scale(win)
@@ -184,6 +196,8 @@ class CrossSection:
         comm = {r: centre([x[4] for x in w]) for r, w in win.items()}
         it = statistics.median(x[2] for w in win.values() for x in w)
         s = max(comp, key=comp.get)
+        if self._streak and self._streak[-1][0] == s:
+            bar *= HOLD                         # the same rank as the look before
         others = [r for r in comp if r != s]
         c_o = statistics.median(comp[r] for r in others)
         excess = comp[s] - c_o
