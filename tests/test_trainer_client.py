@@ -2,8 +2,8 @@
 different steps still apply it at the same step, the global batch holds at
 every step, the parameters stay identical on every rank, and the three
 examples (plain PyTorch, Accelerate, Megatron-style) follow a plan; the
-corpus's held-out job shapes (examples/fsdp_gloo.py, transformer_accum.py,
-checkpoint_eval.py) run."""
+corpus's other job shapes (examples/fsdp_gloo.py, transformer_accum.py,
+checkpoint_eval.py, varlen_lm.py) run."""
 from __future__ import annotations
 
 import subprocess
@@ -192,11 +192,13 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval"])
+@pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
+                                     "varlen_lm"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
-    """The corpus's held-out job shapes (FSDP2; no_sync accumulation;
-    rank 0's checkpoints and periodic evaluation) stay runnable: 2 ranks, 6
-    steps each, every iteration in the truth log."""
+    """The corpus's other job shapes (FSDP2; no_sync accumulation;
+    rank 0's checkpoints and periodic evaluation; each rank's own sequence
+    lengths) stay runnable: 2 ranks, 6 steps each, every iteration in the
+    truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
              "--ckpt-dir", str(tmp_path)) if example == "checkpoint_eval" else ()
@@ -216,3 +218,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         import torch
         assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 5
         assert not list(tmp_path.glob("*.tmp"))
+    if example == "varlen_lm":
+        # Each rank draws its own lengths (the point of the shape), and
+        # the language model trains on them.
+        tokens = {(d["rank"], d["index"]): d["tokens"] for d in rows if "tokens" in d}
+        assert any(tokens[0, i] != tokens[1, i] for i in range(6))
+        assert all(4 <= n <= 192 for n in tokens.values())
+        assert all(d["loss"] is not None and d["loss"] > 0 for d in rows if "tokens" in d)
