@@ -32,6 +32,10 @@ The window is `window` iterations, or fewer when the job is slow: enough to
 span WINDOW_S seconds, never under MIN_WINDOW (looks come closer in
 proportion). A job at a few iterations per second, which is how a user
 finds a strong straggler, is then named in seconds, not in 24 iterations.
+A job slower still (a second an iteration: MIN_WINDOW alone spans 8 s)
+would need 12 iterations for `looks` looks; there two looks do, when the
+evidence from the first one's window on spans WINDOW_S + MIN_S, which is
+what `looks` looks over MIN_S see where the window spans WINDOW_S.
 
 An *intermittent* straggler fails the medians and the consistency above
 while costing the job as much: a rank whose container CPU limit throttles
@@ -116,7 +120,8 @@ class CrossSection:
         self.consistent, self.min_ns = consistent, int(min_s * 1e9)
         self.rows: dict[int, deque] = {}      # rank -> (start_ns, end_ns, dur, compute, comm)
         self._since_look = 0
-        self._streak: list[tuple[int, int]] = []     # (suspect, look time) in a row
+        self._streak: list[tuple[int, int, int]] = []  # (suspect, look time, its
+        #                                                window's start) in a row
         self._quiet = 0                              # looks in a row without a suspect
         self.named: int | None = None                # the straggler last named
         self.last: dict | None = None                # the numbers of the last look
@@ -229,12 +234,23 @@ class CrossSection:
         numbers["waits_least"] = None if least is None else round(least, 3)
         return ok and least >= LEAST_WAIT, numbers
 
+    def _lasted(self) -> bool:
+        """Whether the streak is a verdict: `looks` looks over MIN_S, or (a
+        slow job, whose window alone spans seconds) two looks whose
+        evidence, from the first one's window on, spans WINDOW_S + MIN_S:
+        what the first rule sees at a job whose window spans WINDOW_S."""
+        first, t = self._streak[0], self._streak[-1][1]
+        if len(self._streak) >= self.looks and t - first[1] >= self.min_ns:
+            return True
+        return len(self._streak) >= 2 and t - first[2] >= self.min_ns + int(WINDOW_S * 1e9)
+
     def _look(self, ev: dict, n: int) -> list[Diagnosis]:
         win = self._window_rows(n)
         if win is None:
             return []
         ok, last = self._steady(win)
         intermittent = False
+        lo = self.rows[self._lowest][-n][0]           # where this look's evidence starts
         if not ok:
             lead = self.rows[self._lowest]
             m = min(lead.maxlen, max(n, _spanning(lead, INTERMITTENT_WINDOW_S) or n))
@@ -242,7 +258,7 @@ class CrossSection:
             if wide is not None:
                 ok, numbers = self._intermittent(wide)
                 if ok:
-                    last, intermittent = numbers, True
+                    last, intermittent, lo = numbers, True, lead[-m][0]
         self.last = last
         s, excess = last["suspect"], last["excess_ms"]
         t = ev["start_ns"] + ev["dur_ns"]
@@ -255,9 +271,8 @@ class CrossSection:
         self._quiet = 0
         if self._streak and self._streak[-1][0] != s:
             self._streak = []
-        self._streak.append((s, t))
-        if (len(self._streak) < self.looks or t - self._streak[0][1] < self.min_ns
-                or self.named == s):
+        self._streak.append((s, t, lo))
+        if not self._lasted() or self.named == s:
             return []
         self.named = s
         details = {"method": "cross-section", "looks": self.looks,
