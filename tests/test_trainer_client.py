@@ -3,7 +3,7 @@ different steps still apply it at the same step, the global batch holds at
 every step, the parameters stay identical on every rank, and the three
 examples (plain PyTorch, Accelerate, Megatron-style) follow a plan; the
 corpus's other job shapes (examples/fsdp_gloo.py, transformer_accum.py,
-checkpoint_eval.py, varlen_lm.py) run."""
+checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py) run."""
 from __future__ import annotations
 
 import subprocess
@@ -193,15 +193,16 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
-                                     "varlen_lm"])
+                                     "varlen_lm", "powersgd_cnn"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
-    lengths) stay runnable: 2 ranks, 6 steps each, every iteration in the
-    truth log."""
+    lengths; PowerSGD-compressed gradients) stay runnable: 2 ranks, 6
+    steps each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
-    extra = ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
-             "--ckpt-dir", str(tmp_path)) if example == "checkpoint_eval" else ()
+    extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
+                                 "--ckpt-dir", str(tmp_path)),
+             "powersgd_cnn": ("--start-iter", "3")}.get(example, ())
     proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
@@ -209,7 +210,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
     assert its == [(r, i) for r in range(2) for i in range(6)]
     assert sorted(d["rank"] for d in rows if d.get("final")) == [0, 1]
-    if extra:
+    if example == "checkpoint_eval":
         # Both ranks log the periodic phases at the same steps; rank 0's
         # last checkpoint is whole (step 5: the second of every 3).
         phases = {(d["rank"], d["index"]): d["phase"] for d in rows if "phase" in d}
@@ -225,3 +226,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert any(tokens[0, i] != tokens[1, i] for i in range(6))
         assert all(4 <= n <= 192 for n in tokens.values())
         assert all(d["loss"] is not None and d["loss"] > 0 for d in rows if "tokens" in d)
+    if example == "powersgd_cnn":
+        # The hook ran at every iteration (3 plain, then compressed).
+        assert [d["hook_iter"] for d in rows if d.get("rank") == 0 and "hook_iter" in d] == \
+            list(range(1, 7))

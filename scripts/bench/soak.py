@@ -37,13 +37,14 @@ from harness import (DEMO_ARGS, GREYHOUND, DDPJob, JsonlTail, cpu_seconds,  # no
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--trainer", choices=("demo", "user", "accum", "fsdp", "ckpt", "varlen"),
+    p.add_argument("--trainer", choices=("demo", "user", "accum", "fsdp", "ckpt", "varlen", "powersgd"),
                    default="demo",
                    help="demo, user (with 2 DataLoader workers a rank), or a held-out job "
                         "shape at its defaults: accum (a transformer, no_sync "
                         "accumulation), fsdp (FSDP2), ckpt (rank 0 checkpoints while the "
                         "others wait; periodic evaluation), varlen (each rank's own "
-                        "sequence lengths: a different rank slowest at every iteration)")
+                        "sequence lengths: a different rank slowest at every iteration), "
+                        "powersgd (a CNN whose gradients go through PyTorch's PowerSGD hook)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--keep", action="store_true", help="keep the work directory (recording)")
     args = p.parse_args(argv)
