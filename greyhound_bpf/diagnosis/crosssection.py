@@ -250,7 +250,9 @@ class CrossSection:
             return []
         ok, last = self._steady(win)
         intermittent = False
-        lo = self.rows[self._lowest][-n][0]           # where this look's evidence starts
+        # Where this look's evidence starts: the medians' window (the
+        # intermittent test's is longer by design, and is not counted).
+        lo = self.rows[self._lowest][-n][0]
         if not ok:
             lead = self.rows[self._lowest]
             m = min(lead.maxlen, max(n, _spanning(lead, INTERMITTENT_WINDOW_S) or n))
@@ -258,7 +260,7 @@ class CrossSection:
             if wide is not None:
                 ok, numbers = self._intermittent(wide)
                 if ok:
-                    last, intermittent, lo = numbers, True, lead[-m][0]
+                    last, intermittent = numbers, True
         self.last = last
         s, excess = last["suspect"], last["excess_ms"]
         t = ev["start_ns"] + ev["dur_ns"]
