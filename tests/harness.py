@@ -22,7 +22,8 @@ BIN = Path(sys.executable).parent
 GREYHOUND = [sys.executable, "-m", "greyhound_bpf.cli"]
 TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "user": ROOT / "scripts" / "user_train.py",
-            # Job shapes the rules were not written around (held out).
+            # Job shapes the rules were not written around at first (the
+            # corpus says which are still held out).
             "fsdp": ROOT / "examples" / "fsdp_gloo.py",
             "accum": ROOT / "examples" / "transformer_accum.py",
             "ckpt": ROOT / "examples" / "checkpoint_eval.py",

@@ -146,6 +146,19 @@ def test_a_busy_host_that_stalls_ranks_in_turn_names_nobody(seed):
     assert got == []
 
 
+def recorded(name):
+    """A fixture's events (a live run's `iteration` events) and the time
+    of its attach event."""
+    path = Path(__file__).parent / "fixtures" / name
+    evs = [json.loads(line) for line in path.read_text().splitlines()]
+    return evs, next(e["time_ns"] for e in evs if e["kind"] == "attach")
+
+
+def named_at(xs, evs):
+    """Each verdict `xs` gives on `evs`, with the time of the event that gave it."""
+    return [(v, e["time_ns"]) for e in evs for v in xs.observe(e)]
+
+
 def test_a_straggler_near_the_bar_is_not_restarted_by_a_look_a_hair_under():
     """bench_tries' miss, recorded live (tests/fixtures/ckpt_r0_quarter_before.jsonl:
     the iteration events of examples/checkpoint_eval.py, rank 0 at a quarter
@@ -154,26 +167,16 @@ def test_a_straggler_near_the_bar_is_not_restarted_by_a_look_a_hair_under():
     came next, and rank 0 was named 15.5 s after the attach. The hold keeps
     the streak going: named within 15 s, and sooner than without it."""
     evs, attach = recorded("ckpt_r0_quarter_before.jsonl")
-    xs = CrossSection()
-    got = [(v, e["time_ns"]) for e in evs for v in xs.observe(e)]
+    got = named_at(CrossSection(), evs)
     assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (0,))]
     assert (got[0][1] - attach) / 1e9 < 15.0
     import greyhound_bpf.diagnosis.crosssection as X
     old, X.HOLD = X.HOLD, 1.0
     try:
-        xs = CrossSection()
-        late = [e["time_ns"] for e in evs for _ in xs.observe(e)]
+        late = named_at(CrossSection(), evs)
     finally:
         X.HOLD = old
-    assert late[0] > got[0][1]
-
-
-def recorded(name):
-    """A fixture's events (a live run's `iteration` events) and the time
-    of its attach event."""
-    path = Path(__file__).parent / "fixtures" / name
-    evs = [json.loads(line) for line in path.read_text().splitlines()]
-    return evs, next(e["time_ns"] for e in evs if e["kind"] == "attach")
+    assert late[0][1] > got[0][1]
 
 
 def test_a_slow_job_is_named_on_the_span_of_its_evidence():
@@ -185,8 +188,7 @@ def test_a_slow_job_is_named_on_the_span_of_its_evidence():
     15.2 s. Two looks whose evidence spans WINDOW_S + MIN_S name it within
     15 s; the rule for looks over MIN_S alone does not."""
     evs, attach = recorded("varlen_r0_before.jsonl")
-    xs = CrossSection()
-    got = [(v, e["time_ns"]) for e in evs for v in xs.observe(e)]
+    got = named_at(CrossSection(), evs)
     assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (0,))]
     assert (got[0][1] - attach) / 1e9 < 15.0
 
@@ -194,9 +196,8 @@ def test_a_slow_job_is_named_on_the_span_of_its_evidence():
         def _lasted(self):
             return (len(self._streak) >= self.looks
                     and self._streak[-1][1] - self._streak[0][1] >= self.min_ns)
-    xs = LooksOnly()
-    late = [e["time_ns"] for e in evs for _ in xs.observe(e)]
-    assert (late[0] - attach) / 1e9 > 15.0
+    late = named_at(LooksOnly(), evs)
+    assert (late[0][1] - attach) / 1e9 > 15.0
 
 
 def test_the_hold_needs_a_full_look_first():

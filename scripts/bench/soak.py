@@ -31,15 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 import corpus  # noqa: E402
 from harness import (DEMO_ARGS, GREYHOUND, DDPJob, JsonlTail, cpu_seconds,  # noqa: E402
-                     descendants_of, wait_for)
+                     TRAINERS, descendants_of, wait_for)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--trainer", choices=("demo", "user", "accum", "fsdp", "ckpt", "varlen", "powersgd"),
-                   default="demo",
-                   help="demo, user (with 2 DataLoader workers a rank), or a held-out job "
+    p.add_argument("--trainer", choices=sorted(TRAINERS), default="demo",
+                   help="demo, user (with 2 DataLoader workers a rank), or another job "
                         "shape at its defaults: accum (a transformer, no_sync "
                         "accumulation), fsdp (FSDP2), ckpt (rank 0 checkpoints while the "
                         "others wait; periodic evaluation), varlen (each rank's own "

@@ -42,7 +42,7 @@ from greyhound_bpf.inject import CpuQuota  # noqa: E402
 
 NPROC = 4
 TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
-# --trainer: held-out job shapes (tests/harness.TRAINERS) run at their own
+# --trainer: the other job shapes (tests/harness.TRAINERS) run at their own
 # defaults, 3 ranks as their docstrings launch them.
 SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ()), "ckpt": (3, ()),
           "varlen": (3, ()), "powersgd": (3, ())}
