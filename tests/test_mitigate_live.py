@@ -97,7 +97,7 @@ def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
     with CpuQuota(rank1, 0.3):
         inject_ns = time.time_ns()
         advice = wait_for(lambda: [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9], 120,
-                          "a plan reported", interval=0.5)[0]
+                          "a plan reported", interval=0.5, why=t.story)[0]
     assert t.stop() == 0
     assert advice["mode"] == "advise" and advice["seq"] is None
     # The solver was warmed while attach started (a span of our own), not
