@@ -42,14 +42,14 @@ attach, a fault the job-level detector missed). Within it:
    validation of the straggler's device (`recheck_due`), RECHECK_AFTER_S
    after the plan was applied, then at that or doubling intervals (a ski
    rental: mitigation.gone; the validation budget applies); a validated
-   verdict that measures it healthy returns the even split and ends it. With validation off, a recheck refused,
-   or where a trial costs less than the recheck's pause, a trial return to
-   the even split on that schedule: it stays if, over `window` iterations
-   and `trial_min_s` (their mean), the job runs within RECOVERED of healthy,
-   or nearer healthy than in the fault with no rank still computing much
-   more at that equal work; if not, the plan returns (mitigation.gone).
-7. **At most MAX_CHANGES plan changes per episode**, besides the return to
-   even.
+   verdict that measures it healthy returns the even split and ends it.
+   With validation off, a recheck refused, or where a trial costs less than
+   the recheck's pause, a trial return to the even split on that schedule:
+   it stays if, over `window` iterations and `trial_min_s` (their mean), the
+   job runs within RECOVERED of healthy, or nearer healthy than in the fault
+   with no rank still computing much more at that equal work; if not, the
+   plan returns (mitigation.gone). Advise only, the job's recovery ends it.
+7. **At most MAX_CHANGES plan changes per episode**, besides the return to even.
 8. **Restarts (S3/S4)** when the trainer can checkpoint and the loss a
    restart would have avoided pays for the observed (or estimated)
    restart: a pipeline re-split, or leaving out ranks slower than 2x.
@@ -98,13 +98,11 @@ class SkiRentalPolicy(FaultGone):
                  min_lasted_s: float = MIN_LASTED_S, validate: bool = True,
                  trial_min_s: float = TRIAL_MIN_S, speed_span_s: float = SPEED_SPAN_S):
         self.window, self.min_gain = window, min_gain
-        self.speed_span_ns = int(speed_span_s * 1e9)
-        self.min_lasted_ns = int(min_lasted_s * 1e9)
-        self.trial_min_ns = int(trial_min_s * 1e9)
+        self.speed_span_ns, self.min_lasted_ns, self.trial_min_ns = (
+            int(x * 1e9) for x in (speed_span_s, min_lasted_s, trial_min_s))
         self.pause_ms: float | None = None        # the last validation pause measured
         self.global_microbatches, self.world = global_microbatches, world
-        self.restart_estimate_s = restart_estimate_s
-        self.restart_observed_s: float | None = None
+        self.restart_estimate_s, self.restart_observed_s = restart_estimate_s, None
         self.allow_restart, self.validate = allow_restart, validate
         self.ranks: dict[int, _Rank] = {}
         self._lowest: int | None = None           # min(self.ranks)
@@ -216,11 +214,12 @@ class SkiRentalPolicy(FaultGone):
             return self._moved(ev)
         if kind == "recovery" and ev.get("scope") == "job":
             e = self.episode
-            # Over before any plan (a blip, or it eased): back at healthy, or, with
-            # no rank named, wherever it recovered to (test_policy: a busy host's).
+            # Over with the even split in force, no trial running (before any plan,
+            # or advise only: the next fault is advised again): back at healthy, or,
+            # with no rank named, wherever it recovered to (a busy host's: test_policy).
             back = e is not None and (e.healthy_ms is None or e.straggler is None or
                                       float(ev["after_ms"]) <= e.healthy_ms * (1 + RECOVERED))
-            if back and not e.changes and self.planned is None and self._is_even():
+            if back and self.planned is None and self._is_even() and e.trial is None:
                 self.episode = None
             return self._moved(ev)
         if kind == "diagnosis":
@@ -231,6 +230,7 @@ class SkiRentalPolicy(FaultGone):
 
     def _begin(self, onset_ns: int, healthy_ms: float | None) -> None:
         self.episode = _Episode(onset_ns, healthy_ms)
+        self.advised = None                  # a new episode's advice is news
         self.job_history.clear()
         for r in self.ranks.values():
             r.keep_after(onset_ns)       # speeds from the slow iterations only

@@ -23,6 +23,12 @@ def plans(t):
     return [e for e in t.events("action") if e.get("plan", {}).get("microbatches")]
 
 
+def assert_healthy_so_far(t):
+    """The healthy phase: no verdict naming a cause, and nothing planned."""
+    named = [e for e in t.events("diagnosis") if e["cause"] != "unknown"]
+    assert not named and not plans(t), t.story()
+
+
 def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
     ctl = tmp_path / "ctl.json"
     job = ddp_job(2, 0, *TRAIN, "--control-file", str(ctl), go=False)
@@ -32,25 +38,24 @@ def test_mitigate_rebalances_and_returns_to_even(ddp_job, tracer, tmp_path):
                "--record", str(rec))
     rank1 = next(r["pid"] for r in t.wait_attached(2) if r["rank"] == 1)
     t.healthy_baseline(60)
+    assert_healthy_so_far(t)
     with CpuQuota(rank1, 0.3):
         inject_ns = time.time_ns()
         # Plans made once the slowdown has lasted 1 s (the policy's blip
         # rule) never favour rank 1, and one that works around it is applied.
-        # A shared 2-core host may have had its own episode, with its own
-        # plan, just before: the first plan may take that back to even.
         def around_rank1():
             late = [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9]
             for p in late:
                 c = {int(k): v for k, v in p["plan"]["microbatches"].items()}
                 assert c[1] <= c[0] and sum(c.values()) == 16, t.story()
             return [p for p in late if p["plan"]["microbatches"]["1"] < p["plan"]["microbatches"]["0"]]
-        plan = wait_for(around_rank1, 120, "a plan around rank 1", interval=0.5)[0]
+        plan = wait_for(around_rank1, 120, "a plan around rank 1", interval=0.5,
+                        why=t.story)[0]
         applied = wait_for(lambda: [e for e in t.events("applied") if e["seq"] == plan["seq"]],
                            60, "the plan applied", interval=0.5)[0]
         assert plan["mode"] == "mitigate" and plan["expected_ms"] > 0
         earlier = [p for p in plans(t) if p["seq"] < plan["seq"]]
-        if not earlier or set(earlier[-1]["plan"]["microbatches"].values()) == {8}:
-            assert plan["loss_ms"] >= plan["cost_ms"]         # the ski-rental rule held
+        assert not earlier and plan["loss_ms"] >= plan["cost_ms"]  # the ski-rental rule held
         wait_for(lambda: [r for r in job.truth_records() if r["rank"] == 1
                           and r["microbatches"] < 8 and r["start_ns"] > applied["time_ns"]],
                  60, "rank 1 to run fewer micro-batches")
@@ -94,6 +99,7 @@ def test_advise_only_writes_nothing(ddp_job, tracer, tmp_path):
     t = tracer([job.proc.pid], "-q", "--control-file", str(ctl))
     rank1 = next(r["pid"] for r in t.wait_attached(2) if r["rank"] == 1)
     t.healthy_baseline(60)
+    assert_healthy_so_far(t)
     with CpuQuota(rank1, 0.3):
         inject_ns = time.time_ns()
         advice = wait_for(lambda: [p for p in plans(t) if p["time_ns"] > inject_ns + 1e9], 120,

@@ -312,6 +312,30 @@ def test_unknown_global_batch_says_so_and_advice_is_not_repeated():
     assert plans(run(pol, job, 200)) == []              # the same advice is not repeated
 
 
+def test_advise_only_a_fault_after_a_recovery_is_advised_again():
+    # Advise only: nothing applies the advice, so the split stays even and
+    # the job's recovery ends the episode. The same fault on the same rank
+    # later is news (it was held for good once: test_mitigate_live timed out).
+    job = Job([1.0] * 4)
+    pol = SkiRentalPolicy(min_lasted_s=BLIP_S)
+    pol.acks(job.acks())
+    run(pol, job, 20)
+    for _ in range(2):
+        job.t[2] = 2.0
+        i = job.index
+        run(pol, job, 3)
+        d = pol.observe(slowdown(job, 10.0, 18.0, i, i + 2)) + pol.observe(verdict(job, [2]))
+        (p,) = plans(d + run(pol, job, 20))
+        assert p.plan["microbatches"][2] < 8
+        pol.withdraw()
+        assert plans(run(pol, job, 40)) == []            # held while the fault lasts
+        job.t[2] = 1.0
+        i = job.index
+        run(pol, job, 5)
+        assert plans(pol.observe(recovery(job, 18.0, 10.0, i)) + run(pol, job, 50)) == []
+        assert not pol.slow
+
+
 def test_a_blip_gets_no_plan():
     job = Job([1.0] * 4)
     pol = SkiRentalPolicy(min_lasted_s=1.0)             # 1 s: a real job's blip
