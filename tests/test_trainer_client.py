@@ -3,7 +3,7 @@ different steps still apply it at the same step, the global batch holds at
 every step, the parameters stay identical on every rank, and the three
 examples (plain PyTorch, Accelerate, Megatron-style) follow a plan; the
 corpus's other job shapes (examples/fsdp_gloo.py, transformer_accum.py,
-checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py) run."""
+checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py, bucketed_mlp.py) run."""
 from __future__ import annotations
 
 import subprocess
@@ -193,16 +193,18 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
-                                     "varlen_lm", "powersgd_cnn"])
+                                     "varlen_lm", "powersgd_cnn", "bucketed_mlp"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
-    lengths; PowerSGD-compressed gradients) stay runnable: 2 ranks, 6
+    lengths; PowerSGD-compressed gradients; many gradient buckets and a
+    logging step) stay runnable: 2 ranks, 6
     steps each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
-             "powersgd_cnn": ("--start-iter", "3")}.get(example, ())
+             "powersgd_cnn": ("--start-iter", "3"),
+             "bucketed_mlp": ("--sync-every", "4")}.get(example, ())
     proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
@@ -226,6 +228,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert any(tokens[0, i] != tokens[1, i] for i in range(6))
         assert all(4 <= n <= 192 for n in tokens.values())
         assert all(d["loss"] is not None and d["loss"] > 0 for d in rows if "tokens" in d)
+    if example == "bucketed_mlp":
+        # Several gradient buckets an iteration once DDP has rebuilt them
+        # (the first iteration has one), the logging step every 4th, and
+        # every rank logs the same mean loss.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert all(mine[r, i]["buckets"] >= 3 for r in range(2) for i in range(1, 6))
+        assert [i for i in range(6) if mine[0, i].get("synced")] == [3]
+        assert all(mine[0, i]["loss"] == mine[1, i]["loss"] for i in range(6))
     if example == "powersgd_cnn":
         # The hook ran at every iteration (3 plain, then compressed).
         assert [d["hook_iter"] for d in rows if d.get("rank") == 0 and "hook_iter" in d] == \

@@ -43,7 +43,9 @@ def main(argv=None) -> int:
                         "accumulation), fsdp (FSDP2), ckpt (rank 0 checkpoints while the "
                         "others wait; periodic evaluation), varlen (each rank's own "
                         "sequence lengths: a different rank slowest at every iteration), "
-                        "powersgd (a CNN whose gradients go through PyTorch's PowerSGD hook)")
+                        "powersgd (a CNN whose gradients go through PyTorch's PowerSGD "
+                        "hook), bucketed (a wide MLP: many gradient buckets overlapping "
+                        "backward, a loss all-reduce each iteration, a logging barrier)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--keep", action="store_true", help="keep the work directory (recording)")
     args = p.parse_args(argv)

@@ -45,7 +45,7 @@ TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
 # --trainer: the other job shapes (tests/harness.TRAINERS) run at their own
 # defaults, 3 ranks as their docstrings launch them.
 SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ()), "ckpt": (3, ()),
-          "varlen": (3, ()), "powersgd": (3, ())}
+          "varlen": (3, ()), "powersgd": (3, ()), "bucketed": (3, ())}
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
 PERIOD_MS = None            # --period-ms: the quota's CFS period (None: inject's default)
@@ -150,9 +150,9 @@ def main(argv=None) -> int:
                          "with that seed alone would")
     ap.add_argument("--only", choices=("before", "after"))
     ap.add_argument("--trainer", choices=sorted(SHAPES), default="user",
-                    help="the job: user (scripts/user_train.py, 4 ranks), or a held-out "
-                         "shape at its defaults, 3 ranks: accum (a transformer, no_sync "
-                         "accumulation), fsdp (FSDP2)")
+                    help="the job: user (scripts/user_train.py, 4 ranks), or another "
+                         "job shape of tests/harness.TRAINERS at its defaults, 3 ranks "
+                         "(the corpus says which are held out)")
     ap.add_argument("--period-ms", type=float,
                     help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
