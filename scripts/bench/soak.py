@@ -39,13 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--trainer", choices=sorted(TRAINERS), default="demo",
                    help="demo, user (with 2 DataLoader workers a rank), or another job "
-                        "shape at its defaults: accum (a transformer, no_sync "
-                        "accumulation), fsdp (FSDP2), ckpt (rank 0 checkpoints while the "
-                        "others wait; periodic evaluation), varlen (each rank's own "
-                        "sequence lengths: a different rank slowest at every iteration), "
-                        "powersgd (a CNN whose gradients go through PyTorch's PowerSGD "
-                        "hook), bucketed (a wide MLP: many gradient buckets overlapping "
-                        "backward, a loss all-reduce each iteration, a logging barrier)")
+                        "shape of tests/harness.TRAINERS at its defaults (each example's "
+                        "docstring says what it does)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--keep", action="store_true", help="keep the work directory (recording)")
     args = p.parse_args(argv)
