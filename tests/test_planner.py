@@ -241,3 +241,21 @@ def test_a_communication_verdict_on_a_slowdown_that_is_over_is_not_measured():
     p.observe({"kind": "recovery", "scope": "job", "time_ns": 4 * S})
     finish(p, req, 5, 1.0, Diagnosis("validation", "unknown", "nothing slow", 10))
     assert phases(p.tick(7 * S)) == ["skipped"] and p.pending is None
+
+
+def test_a_verdict_that_suspects_a_slow_link_is_measured_now():
+    """Every rank waiting longer in its collectives is named only once it
+    lasts (passive.UNIFORM_LASTS_S); meanwhile it is `unknown` with
+    `details.suspect`, and measured at once, as a named one would be: the
+    measurement tells a slow link from a busy host. One naming nothing that
+    suspects nothing still waits PERSIST_S."""
+    suspect = Diagnosis("passive", "unknown", "every rank waits", 10, details={
+        "uniform": True, "suspect": "communication"})
+    p = ValidationPlanner()
+    slow(p, 0)
+    (req,) = p.consider(suspect, 2 * S)
+    assert req["phase"] == "request" and "suspects communication" in req["reason"]
+    plain = Diagnosis("passive", "unknown", "every rank waits", 10, details={"uniform": True})
+    p = ValidationPlanner()
+    slow(p, 0)
+    assert phases(p.consider(plain, 2 * S)) == ["deferred"]

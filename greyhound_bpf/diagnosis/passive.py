@@ -17,8 +17,11 @@ after the onset with before it:
   half its own value, the median rank's doubling: `COMM_RATIO`) on every
   rank while no rank's compute grew by more than a quarter of it; the
   communicator named is the smallest one of the communicator map
-  (greyhound_bpf.topology) that holds every such rank. When only the two
-  ends of a pipeline (p2p) edge wait longer, that edge is the link;
+  (greyhound_bpf.topology) that holds every such rank, once the slowdown
+  has lasted UNIFORM_LASTS_S (a busy host does the same for seconds; until
+  then `unknown` with `details.suspect`, which validation measures). When
+  only the two ends of a pipeline (p2p) edge wait longer, that edge is the
+  link;
 - a cause is named only when it holds over the first `window` iterations
   after the onset and over the latest ones when the verdict is made
   (seconds later): a rank descheduled for a moment on a busy host looks like
@@ -88,6 +91,12 @@ EXPLAINS = 0.15
 # wait longer: a healthy 4-rank job on a 2-core VM saw 1.6-1.73x for seconds
 # (CI, 2026-11-22), a 400mbit tbf on one rank's link 2.25-2.73x.
 COMM_RATIO = 2.0
+# ...and only once its slowdown has lasted this long (and holds over the
+# latest iterations then): the same healthy CI job later read x5.2 for 8 s
+# (2026-11-28), its compute flat. A slow link lasts; a busy host's episodes
+# pass. The validation planner's PERSIST_S, for the same reason.
+UNIFORM_LASTS_S = 20.0
+HOLD_LOOK_NS = 500_000_000     # ...looked at again this often meanwhile
 # Looks at an undecided slowdown per job iteration, at most (each looks at
 # every rank): every sample up to 15 ranks, 8 times an iteration above.
 TRIES_PER_ITERATION = 8
@@ -121,6 +130,7 @@ class PassiveDiagnoser:
         self.until_ns: int | None = None       # the slow level's end, once recovered
         self.steps: list[dict] = []            # further job slowdown steps, not yet judged
         self.second: tuple | None = None       # (latest verdict, from_ns): to be held again
+        self.hold_ns: int | None = None        # a uniform verdict waits until then
         self.done = False
         self._samples = 0
 
@@ -150,6 +160,7 @@ class PassiveDiagnoser:
                 return self._try()
             self.slowdown, self.onset_ns, self.done = ev, int(ev["onset_ns"]), False
             self.until_ns, self.steps, self.second = None, [], None
+            self.hold_ns = None
             return self._try()
         if kind == "applied" and self.slowdown is not None and not self.done:
             # A plan changes each rank's work: later iterations no longer
@@ -173,7 +184,7 @@ class PassiveDiagnoser:
                     (s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
                 out = self._try()
             self.slowdown, self.onset_ns, self.until_ns, self.steps = None, None, None, []
-            self.second = None
+            self.second, self.hold_ns = None, None
             return out
         return []
 
@@ -204,13 +215,13 @@ class PassiveDiagnoser:
         # onset (its before-window is the first step's level), if it began
         # before the evidence ends: each step gets a verdict until one names a
         # cause or none is left.
-        while out and not out[0].named and self.steps:
+        while out and not out[0].named and not out[0].details.get("suspect") and self.steps:
             step = self.steps.pop(0)
             if self.until_ns is not None and int(step["onset_ns"]) >= self.until_ns:
                 continue
             earlier = out
             self.slowdown, self.onset_ns, self.done = step, int(step["onset_ns"]), False
-            self.second = None
+            self.second, self.hold_ns = None, None
             out = self._judge()
             if not out and self.until_ns is not None:
                 out, self.done = earlier, True      # too little evidence left: it stands
@@ -221,6 +232,8 @@ class PassiveDiagnoser:
         if from_ns is None:
             return []
         newest = max((s.rows[-1][0] for s in self.ranks.values() if s.rows), default=0)
+        if self.until_ns is None and self.hold_ns is not None and newest < self.hold_ns:
+            return []                   # a uniform verdict waits to see it last
         if self.until_ns is None and newest < self.onset_ns + BUSY_BEFORE_NS:
             # Validation activity that begins just after the onset (another
             # `validate` starting up) may be the cause: it must be seen first.
@@ -257,6 +270,8 @@ class PassiveDiagnoser:
         # BUSY_BEFORE_NS), or it is not named.
         again = self._classify(late, from_ns)
         if (again.cause, again.ranks, again.link) == (v.cause, v.ranks, v.link):
+            if v.cause == "communication" and v.link is None:
+                return self._lasted(v, newest)
             return [v]
         if again.cause == "computation" and self.until_ns is None:
             # A straggler now, not at the onset: a fault may settle (a CPU
@@ -274,6 +289,33 @@ class PassiveDiagnoser:
                       reason=f"at first {v.reason}, but over the latest {self.window} "
                              f"iterations: {again.reason}; a passing episode is no fault "
                              "(validation measures it)")]
+
+    def _lasted(self, v: Diagnosis, newest: int) -> list[Diagnosis]:
+        """Every rank waits longer in its collectives, at first and lately:
+        named once the slowdown has lasted UNIFORM_LASTS_S since its onset,
+        and over before that, no fault. Meanwhile undecided: said once as
+        `unknown` with `details.suspect` (the validation planner measures
+        the links now, as for a named verdict), then looked at again every
+        HOLD_LOOK_NS (a CPU quota's straggler shows this way first)."""
+        lasts_ns = int(UNIFORM_LASTS_S * 1e9)
+        end = self.until_ns if self.until_ns is not None else newest
+        if end - self.onset_ns >= lasts_ns:
+            return [v]
+        if self.until_ns is None:
+            first = self.hold_ns is None
+            self.hold_ns = min(self.onset_ns + lasts_ns, newest + HOLD_LOOK_NS)
+            self.done = False
+            if not first:
+                return []
+            return [v.but(cause="unknown", ranks=(), communicator=None,
+                          details={**v.details, "suspect": "communication"},
+                          reason=f"{v.reason}: a slow link, or a busy host's episode; named "
+                                 f"if it lasts {UNIFORM_LASTS_S:.0f} s (validation measures "
+                                 "the links now)")]
+        return [v.but(cause="unknown", ranks=(), communicator=None,
+                      reason=f"{v.reason}, but for {(end - self.onset_ns) / 1e9:.1f} s only: "
+                             "a busy host's episodes look so, a slow link lasts "
+                             f"{UNIFORM_LASTS_S:.0f} s and more")]
 
     def _held_again(self, late: dict, from_ns: int, newest: int) -> list[Diagnosis]:
         """The latest verdict named a cause the first did not: it stands if
