@@ -193,12 +193,13 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
-                                     "varlen_lm", "powersgd_cnn", "bucketed_mlp"])
+                                     "varlen_lm", "powersgd_cnn", "bucketed_mlp",
+                                     "moe_alltoall"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
     lengths; PowerSGD-compressed gradients; many gradient buckets and a
-    logging step) stay runnable: 2 ranks, 6
+    logging step; experts exchanging tokens all-to-all) stay runnable: 2 ranks, 6
     steps each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -240,3 +241,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # The hook ran at every iteration (3 plain, then compressed).
         assert [d["hook_iter"] for d in rows if d.get("rank") == 0 and "hook_iter" in d] == \
             list(range(1, 7))
+    if example == "moe_alltoall":
+        # Every token went to some expert: the ranks' experts ran all of
+        # them between them, each iteration (no capacity limit, none dropped).
+        ran = {}
+        for d in rows:
+            if "tokens" in d:
+                ran[d["index"]] = ran.get(d["index"], 0) + d["tokens"]
+        assert ran == {i: 2 * 512 for i in range(6)}, ran
+        assert all(d["loss"] > 0 for d in rows if "tokens" in d)
