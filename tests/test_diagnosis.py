@@ -57,7 +57,7 @@ def test_communication_slowdown():
     # Undecided until the slowdown has lasted UNIFORM_LASTS_S (said once,
     # for validation to measure the links), then named.
     held = feed(d, LASTS - 4, [20] * 4, [25] * 4, start=30)
-    assert [(v["cause"], v["details"].get("suspect")) for v in held] == \
+    assert [(v["cause"], v["details"].get("suspected_cause")) for v in held] == \
         [("unknown", "communication")]
     assert "named if it lasts 20 s" in held[0]["reason"]
     out = feed(d, 4, [20] * 4, [25] * 4, start=30 + LASTS - 4)
@@ -73,10 +73,10 @@ def test_every_rank_waiting_longer_for_seconds_only_is_no_fault():
     feed(d, 30, [7] * 4, [0.8] * 4)
     d.observe(slowdown(30))
     held = feed(d, 27, [7] * 4, [4] * 4, start=30)            # 8 s
-    assert [v["details"].get("suspect") for v in held] == ["communication"]
+    assert [v["details"].get("suspected_cause") for v in held] == ["communication"]
     out = d.observe({"kind": "recovery", "scope": "job", "index": 57,
                      "onset_ns": 57 * STEP})
-    assert [v["cause"] for v in out] == ["unknown"] and not out[0]["details"].get("suspect")
+    assert [v["cause"] for v in out] == ["unknown"] and not out[0]["details"].get("suspected_cause")
     assert "8.1 s only" in out[0]["reason"] and out[0]["details"]["uniform"]
 
 

@@ -246,11 +246,11 @@ def test_a_communication_verdict_on_a_slowdown_that_is_over_is_not_measured():
 def test_a_verdict_that_suspects_a_slow_link_is_measured_now():
     """Every rank waiting longer in its collectives is named only once it
     lasts (passive.UNIFORM_LASTS_S); meanwhile it is `unknown` with
-    `details.suspect`, and measured at once, as a named one would be: the
+    `details.suspected_cause`, and measured at once, as a named one would be: the
     measurement tells a slow link from a busy host. One naming nothing that
     suspects nothing still waits PERSIST_S."""
     suspect = Diagnosis("passive", "unknown", "every rank waits", 10, details={
-        "uniform": True, "suspect": "communication"})
+        "uniform": True, "suspected_cause": "communication"})
     p = ValidationPlanner()
     slow(p, 0)
     (req,) = p.consider(suspect, 2 * S)

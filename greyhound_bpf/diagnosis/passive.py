@@ -19,7 +19,7 @@ after the onset with before it:
   communicator named is the smallest one of the communicator map
   (greyhound_bpf.topology) that holds every such rank, once the slowdown
   has lasted UNIFORM_LASTS_S (a busy host does the same for seconds; until
-  then `unknown` with `details.suspect`, which validation measures). When
+  then `unknown` with `details.suspected_cause`, which validation measures). When
   only the two ends of a pipeline (p2p) edge wait longer, that edge is the
   link;
 - a cause is named only when it holds over the first `window` iterations
@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from ..engine.activity import ActivityLog
 from ..events import is_speed_sample
+from .planner import PERSIST_S
 from .verdict import Diagnosis
 
 # A slowdown may be our own when it begins this close to validation activity.
@@ -95,7 +96,7 @@ COMM_RATIO = 2.0
 # latest iterations then): the same healthy CI job later read x5.2 for 8 s
 # (2026-11-28), its compute flat. A slow link lasts; a busy host's episodes
 # pass. The validation planner's PERSIST_S, for the same reason.
-UNIFORM_LASTS_S = 20.0
+UNIFORM_LASTS_S = PERSIST_S
 HOLD_LOOK_NS = 500_000_000     # ...looked at again this often meanwhile
 # Looks at an undecided slowdown per job iteration, at most (each looks at
 # every rank): every sample up to 15 ranks, 8 times an iteration above.
@@ -215,7 +216,7 @@ class PassiveDiagnoser:
         # onset (its before-window is the first step's level), if it began
         # before the evidence ends: each step gets a verdict until one names a
         # cause or none is left.
-        while out and not out[0].named and not out[0].details.get("suspect") and self.steps:
+        while out and not out[0].named and not out[0].details.get("suspected_cause") and self.steps:
             step = self.steps.pop(0)
             if self.until_ns is not None and int(step["onset_ns"]) >= self.until_ns:
                 continue
@@ -294,7 +295,7 @@ class PassiveDiagnoser:
         """Every rank waits longer in its collectives, at first and lately:
         named once the slowdown has lasted UNIFORM_LASTS_S since its onset,
         and over before that, no fault. Meanwhile undecided: said once as
-        `unknown` with `details.suspect` (the validation planner measures
+        `unknown` with `details.suspected_cause` (the validation planner measures
         the links now, as for a named verdict), then looked at again every
         HOLD_LOOK_NS (a CPU quota's straggler shows this way first)."""
         lasts_ns = int(UNIFORM_LASTS_S * 1e9)
@@ -308,7 +309,7 @@ class PassiveDiagnoser:
             if not first:
                 return []
             return [v.but(cause="unknown", ranks=(), communicator=None,
-                          details={**v.details, "suspect": "communication"},
+                          details={**v.details, "suspected_cause": "communication"},
                           reason=f"{v.reason}: a slow link, or a busy host's episode; named "
                                  f"if it lasts {UNIFORM_LASTS_S:.0f} s (validation measures "
                                  "the links now)")]

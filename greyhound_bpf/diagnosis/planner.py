@@ -16,7 +16,7 @@ answers with requests (`validation` events) that the validator serves.
   lasted PERSIST_S: a busy host's episodes pass in seconds (they are most
   such verdicts), a fault lasts (a slow link, which looks like every rank
   waiting longer, included). One that suspects a cause it does not name
-  yet (`details.suspect`: every rank waits longer in its collectives,
+  yet (`details.suspected_cause`: every rank waits longer in its collectives,
   which the passive rules name only once it lasts) is validated as a named
   one: the measurement, not the wait, tells a slow link from a busy host.
 - A slowdown whose fault validation has already named is not validated
@@ -236,7 +236,7 @@ class ValidationPlanner:
         why = None
         lasted = ((now_ns - self.slow_since_ns) / 1e9 if self.slow_since_ns is not None
                   else 0.0)
-        if not v.named and not v.details.get("suspect"):
+        if not v.named and not v.details.get("suspected_cause"):
             if lasted < PERSIST_S:
                 why = ("nothing named" + (" (every rank slowed alike: the host or the whole "
                                           "job)" if v.details.get("uniform") else "")
@@ -262,10 +262,10 @@ class ValidationPlanner:
             p.said = True
             return [{"phase": "deferred", "index": v.index, "reason": why}]
         self.pending = None
+        suspected = v.details.get("suspected_cause")
         req = Request(self._next_id, v.index, f"{v.evidence} verdict: {v.cause}"
                       + (f" (rank {v.straggler})" if v.straggler is not None else "")
-                      + (f", suspects {v.details['suspect']}" if v.details.get("suspect")
-                         else ""),
+                      + (f", suspects {suspected}" if suspected else ""),
                       ranks=v.ranks)
         self._next_id += 1
         self.in_flight = req
