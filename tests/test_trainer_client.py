@@ -194,25 +194,27 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
-                                     "moe_alltoall"])
+                                     "moe_alltoall", "tensor_data_parallel"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
     lengths; PowerSGD-compressed gradients; many gradient buckets and a
-    logging step; experts exchanging tokens all-to-all) stay runnable: 2 ranks, 6
-    steps each, every iteration in the truth log."""
+    logging step; experts exchanging tokens all-to-all; tensor and data
+    parallelism at once, 4 ranks) stay runnable: 2 ranks (or 4), 6 steps
+    each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
              "powersgd_cnn": ("--start-iter", "3"),
              "bucketed_mlp": ("--sync-every", "4")}.get(example, ())
-    proc = torchrun(tmp_path, 2, ROOT / "examples" / f"{example}.py", "--steps", "6",
+    nproc = 4 if example == "tensor_data_parallel" else 2
+    proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
     rows = read_jsonl(truth)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
-    assert its == [(r, i) for r in range(2) for i in range(6)]
-    assert sorted(d["rank"] for d in rows if d.get("final")) == [0, 1]
+    assert its == [(r, i) for r in range(nproc) for i in range(6)]
+    assert sorted(d["rank"] for d in rows if d.get("final")) == list(range(nproc))
     if example == "checkpoint_eval":
         # Both ranks log the periodic phases at the same steps; rank 0's
         # last checkpoint is whole (step 5: the second of every 3).
@@ -250,3 +252,17 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                 ran[d["index"]] = ran.get(d["index"], 0) + d["tokens"]
         assert ran == {i: 2 * 512 for i in range(6)}, ran
         assert all(d["loss"] > 0 for d in rows if "tokens" in d)
+    if example == "tensor_data_parallel":
+        # A tensor-parallel pair (0, 1) computes one output: the same loss;
+        # the replicas (0 and 2) see their own samples. DDP kept each
+        # rank's slices equal to its replica's, and the slices differ.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [(mine[r, 0]["tp_rank"], mine[r, 0]["dp_rank"]) for r in range(4)] == \
+            [(0, 0), (1, 0), (0, 1), (1, 1)]
+        for i in range(6):
+            assert mine[0, i]["loss"] == pytest.approx(mine[1, i]["loss"], abs=1e-6)
+            assert mine[2, i]["loss"] == pytest.approx(mine[3, i]["loss"], abs=1e-6)
+            assert mine[0, i]["params"] == pytest.approx(mine[2, i]["params"], rel=1e-9)
+            assert mine[1, i]["params"] == pytest.approx(mine[3, i]["params"], rel=1e-9)
+            assert mine[0, i]["params"] != pytest.approx(mine[1, i]["params"], rel=1e-6)
+        assert any(mine[0, i]["loss"] != mine[2, i]["loss"] for i in range(6))
