@@ -43,7 +43,7 @@ from greyhound_bpf.inject import CpuQuota  # noqa: E402
 NPROC = 4
 TRAIN = ("--workers", "1", "--width", "24", "--batch", "48")
 # --trainer: the other job shapes (tests/harness.TRAINERS) run at their own
-# defaults, 3 ranks as their docstrings launch them.
+# defaults, as many ranks as their docstrings launch them (3; tpdp 4).
 SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ()), "ckpt": (3, ()),
           "varlen": (3, ()), "powersgd": (3, ()), "bucketed": (3, ()), "moe": (3, ()),
           "tpdp": (4, ())}
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trainer", choices=sorted(SHAPES), default="user",
                     help="the job: user (scripts/user_train.py, 4 ranks), or another "
                          "job shape of tests/harness.TRAINERS at its defaults, 3 ranks "
-                         "(the corpus says which are held out)")
+                         "(tpdp 4; the corpus says which are held out)")
     ap.add_argument("--period-ms", type=float,
                     help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
