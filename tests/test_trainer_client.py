@@ -194,19 +194,21 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
-                                     "moe_alltoall", "tensor_data_parallel"])
+                                     "moe_alltoall", "tensor_data_parallel",
+                                     "local_sgd"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
     lengths; PowerSGD-compressed gradients; many gradient buckets and a
     logging step; experts exchanging tokens all-to-all; tensor and data
-    parallelism at once, 4 ranks) stay runnable: 2 ranks (or 4), 6 steps
+    parallelism at once, 4 ranks; post-local SGD) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
              "powersgd_cnn": ("--start-iter", "3"),
-             "bucketed_mlp": ("--sync-every", "4")}.get(example, ())
+             "bucketed_mlp": ("--sync-every", "4"),
+             "local_sgd": ("--warmup", "2", "--period", "2")}.get(example, ())
     nproc = 4 if example == "tensor_data_parallel" else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
@@ -266,3 +268,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[1, i]["params"] == pytest.approx(mine[3, i]["params"], rel=1e-9)
             assert mine[0, i]["params"] != pytest.approx(mine[1, i]["params"], rel=1e-6)
         assert any(mine[0, i]["loss"] != mine[2, i]["loss"] for i in range(6))
+    if example == "local_sgd":
+        # DDP for the 2 warm-up steps (the replicas stay equal), then local
+        # steps: the replicas drift apart on their own samples, and are
+        # equal again after every second step's averaging.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [mine[0, i]["averaged"] for i in range(6)] == [False, False, True, False,
+                                                               True, False]
+        for i in (0, 1, 2, 4):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert any(mine[0, i]["params"] != pytest.approx(mine[1, i]["params"], rel=1e-7)
+                   for i in (3, 5))
