@@ -224,6 +224,24 @@ def test_a_new_call_type_after_a_period_of_one_relocks():
     assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1), ("changed", 2)]
 
 
+def test_a_period_of_one_after_a_longer_period_relocks():
+    # Post-local SGD (examples/local_sgd.py): DDP's two gradient buckets
+    # each step, then only the parameters' all-reduce, one call of a new
+    # type every few steps. The calls of the last old iteration must not
+    # keep the new stream from reading as one call type (it never relocked,
+    # and no iteration was reported for the rest of the run).
+    two = call_stream(2, n_iter=300, ntypes=1, cv=0.1, seed=8)
+    one = call_stream(1, n_iter=200, ntypes=1, seed=9, t0_ns=int(two.start_ns[-1]) + 10**8)
+    est = IterationEstimator()
+    out = est.feed(two.types, two.start_ns, two.dur_ns, two.blocking)
+    out += est.feed(one.types + 5, one.start_ns, one.dur_ns, one.blocking)
+    pcs = [o for o in out if isinstance(o, PatternChange)]
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 2), ("changed", 1)]
+    after = [o for o in out if isinstance(o, IterationRecord) and o.start_ns > one.start_ns[0]]
+    assert len(after) >= 0.75 * 200
+    assert median_error(one, after) <= 0.01
+
+
 def test_warming_up_reports_nothing():
     cs = call_stream(50, n_iter=2, seed=1)
     est, recs, pcs = estimate(cs)
@@ -373,3 +391,43 @@ def test_the_job_detector_reads_the_leaders_pace():
     s = job[0]
     assert abs(s["before_ms"] / 40.0 - 1) < 0.05 and abs(s["ratio"] / 1.3 - 1) < 0.06, s
     assert s["baseline_index"] < s["index"] and s["baseline_ns"] < s["onset_ns"], s
+
+
+def test_a_new_pattern_restarts_the_detectors():
+    """Post-local SGD: under DDP two gradient buckets a step (15 ms), then
+    one parameter all-reduce every 4 steps (20 ms between them). The
+    iteration's unit changed, not the job's speed: no slowdown. A real one
+    after it (x1.5) is still found, against the new level."""
+    from greyhound_bpf.engine.pipeline import JobPipeline
+    from greyhound_bpf.probe.catalog import load_catalog
+    cat = load_catalog()
+    fid = next(f.fid for f in cat.functions if f.name == "gloo::allreduce")
+    rng = np.random.default_rng(11)
+    pipe = JobPipeline(cat)
+    pipe.add_rank(0, 0)
+    fn, start, dur, count, t = [], [], [], [], 0
+    for i in range(300):                       # DDP: two buckets a step
+        ms = 15.0 * math.exp(rng.normal(0, 0.03))
+        for k, (at, d, n) in enumerate(((0.55, 0.1, 2**18), (0.9, 0.1, 2**20))):
+            fn.append(fid), start.append(t + int(at * ms * 1e6)), dur.append(int(d * ms * 1e6))
+            count.append(n)
+        t += int(ms * 1e6)
+    for i in range(400):                       # local SGD: the parameters, every 4 steps
+        ms = 20.0 * (1.5 if i >= 300 else 1.0) * math.exp(rng.normal(0, 0.03))
+        if i == 300:
+            slow_from = t
+        fn.append(fid), start.append(t + int(0.9 * ms * 1e6)), dur.append(int(0.1 * ms * 1e6))
+        count.append(2**20 + 2**18)
+        t += int(ms * 1e6)
+    events = []
+    for lo in range(0, len(fn), 200):
+        sl = slice(lo, lo + 200)
+        events += pipe.feed_calls(0, np.array(fn[sl]), np.zeros(len(fn[sl]), np.uint64),
+                                  np.array(start[sl], np.int64), np.array(dur[sl], np.int64),
+                                  np.array(count[sl], np.uint64))
+    pats = [(f["reason"], f["period_calls"]) for kind, f, _ in events if kind == "pattern"]
+    assert pats == [("locked", 2), ("changed", 1)], pats
+    job = [(kind, (f["onset_ns"] - slow_from) / 1e6, round(f["ratio"], 2)) for kind, f, _
+           in events if kind in ("slowdown", "recovery") and f["scope"] == "job"]
+    assert len(job) == 1 and job[0][0] == "slowdown" and abs(job[0][1]) <= 150, job
+    assert abs(job[0][2] / 1.5 - 1) < 0.08, job

@@ -200,7 +200,13 @@ class IterationEstimator:
         # Estimate on the calls since the last anchor (a new pattern), at most a window.
         lo = max(0, len(self._types) - self.window)
         if self._last_anchor is not None:
-            lo = max(lo, self._last_anchor - self._offset)
+            # Relocking: from after the last iteration that began under the
+            # old pattern. Its calls are the old pattern's, and with them in
+            # the window a new pattern of one call type never read as one
+            # (post-local SGD: DDP's buckets, then only the parameters'
+            # all-reduce; examples/local_sgd.py was never relocked).
+            lo = max(lo, min(self._last_anchor - self._offset + (self.period or 0),
+                             len(self._types)))
         n = len(self._types) - lo
         nlags = min(self.max_period, n // self.min_repeats)
         if nlags < self.min_period:

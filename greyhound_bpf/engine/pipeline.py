@@ -154,9 +154,26 @@ class JobPipeline:
                                       self._p2p[fn]):
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
+                if item.previous is not None and item.previous != item.period_calls:
+                    self._new_unit(rs)
             else:
                 out += self._iteration(rs, item)
         return out
+
+    def _new_unit(self, rs: RankState) -> None:
+        """The rank's iterations are another number of calls now: their
+        times are of another unit, and a level read in the old one is no
+        reference (post-local SGD: one step per iteration under DDP, then
+        the 4 steps between two averagings, a "slowdown" of x1.3 that the
+        job's own log, step by step, read faster). Its detector starts
+        again, and the job's if it leads; one in a slowdown keeps its
+        reference, whose recovery the episode waits for."""
+        if rs.detector.state != "slow":
+            rs.detector.reset()
+            rs.fed = FedLog()
+        if self._leader() is rs and self.job_detector.state != "slow":
+            self.job_detector.reset()
+            self._job_fed = FedLog()
 
     def feed_iterations(self, key: int, items: list[IterationRecord]
                         ) -> list[tuple[str, dict, int]]:
