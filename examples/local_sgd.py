@@ -17,8 +17,8 @@ around (its corpus records it as held out):
 
 --truth FILE logs each step (JSON lines: rank, index, start_ns, dur_ns,
 loss, `averaged`: whether the parameters were averaged after it, and
-`params`: a checksum of this rank's parameters) for the tests and
-benchmarks.
+with --checksums `params`: a checksum of this rank's parameters) for the
+tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--truth", help="append per-step ground truth here (JSON lines)")
+    p.add_argument("--checksums", action="store_true",
+                   help="log a checksum of this rank's parameters with each step (a test's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -85,10 +87,11 @@ def main(argv=None) -> int:
             averaged = k >= args.warmup and (k - args.warmup) % args.period == 0
             rec = {"rank": rank, "index": step, "start_ns": t0, "dur_ns": time.time_ns() - t0,
                    "loss": round(loss.item(), 6), "averaged": averaged}
-            if log:
+            if log and args.checksums:
                 with torch.no_grad():
                     rec["params"] = round(sum(float(q.double().sum())
                                               for q in model.parameters()), 9)
+            if log:
                 log.write(json.dumps(rec) + "\n")
             step += 1
     except KeyboardInterrupt:

@@ -17,8 +17,8 @@ held out):
     sudo greyhound-trace attach <torchrun's PID>
 
 --truth FILE logs each iteration (JSON lines: rank, index, start_ns,
-dur_ns, loss, tp_rank, dp_rank, and `params`: a checksum of this rank's
-parameters) for the tests and benchmarks.
+dur_ns, loss, tp_rank, dp_rank, and with --checksums `params`: a checksum of
+this rank's parameters) for the tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=512, help="each block's hidden width (all ranks)")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--truth", help="append per-iteration ground truth here (JSON lines)")
+    p.add_argument("--checksums", action="store_true",
+                   help="log a checksum of this rank's parameters with each step (a test's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -152,10 +154,11 @@ def main(argv=None) -> int:
             opt.step()
             rec = {"rank": rank, "index": step, "start_ns": t0, "dur_ns": time.time_ns() - t0,
                    "loss": round(total, 6), "tp_rank": tp_rank, "dp_rank": dp_rank}
-            if log:
+            if log and args.checksums:
                 with torch.no_grad():
                     rec["params"] = round(sum(float(q.double().sum()) for q in
                                               model.parameters()), 6)
+            if log:
                 log.write(json.dumps(rec) + "\n")
             step += 1
     except KeyboardInterrupt:

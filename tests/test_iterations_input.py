@@ -64,7 +64,8 @@ def test_a_link_verdict_lacks_only_the_communicator():
         # only its reason says "of gloo:0".)
         assert x["kind"] == y["kind"] == "diagnosis"
         assert (x["communicator"] and y["communicator"] is None) or \
-            x["details"].get("suspected_cause") == y["details"].get("suspected_cause") == "communication"
+            x["details"].get("suspected_cause") == y["details"].get("suspected_cause") \
+            == "communication"
         assert {k: v for k, v in x.items() if k not in ("communicator", "reason")} == \
             {k: v for k, v in y.items() if k not in ("communicator", "reason")}
 

@@ -208,7 +208,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                                  "--ckpt-dir", str(tmp_path)),
              "powersgd_cnn": ("--start-iter", "3"),
              "bucketed_mlp": ("--sync-every", "4"),
-             "local_sgd": ("--warmup", "2", "--period", "2")}.get(example, ())
+             "tensor_data_parallel": ("--checksums",),
+             "local_sgd": ("--warmup", "2", "--period", "2", "--checksums")}.get(example, ())
     nproc = 4 if example == "tensor_data_parallel" else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
