@@ -303,7 +303,8 @@ class JobAnalysis:
         self.pipeline.add_rank(inp.key, r.rank if r else None)
         items = [IterationRecord(r.rank if r else None, int(d["index"]), int(d["start_ns"]),
                                  int(d["dur_ns"]), int(d["period_calls"]), int(d["comm_ns"]),
-                                 int(d["compute_ns"]), int(d.get("p2p_ns", 0)))
+                                 int(d["compute_ns"]), int(d.get("p2p_ns", 0)),
+                                 int(d.get("period", 0)))
                  for d in inp.items
                  if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))

@@ -25,6 +25,8 @@ import json
 import statistics
 from pathlib import Path
 
+from greyhound_bpf.engine.iterations import ITERATION_FIELDS
+
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 # A verdict may come this long after its fault ended (validation confirms
 # after the job has run 3 s; a verdict waits for the evidence to end).
@@ -63,10 +65,6 @@ def expectations(name: str) -> list[dict]:
 def replay(name: str, **config) -> list[dict]:
     from greyhound_bpf.replay import replay as run
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
-
-
-ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns",
-                    "p2p_ns")
 
 
 def iterations_by_rank(events: list[dict]) -> dict[int, list[dict]]:

@@ -431,3 +431,13 @@ def test_a_new_pattern_restarts_the_detectors():
            in events if kind in ("slowdown", "recovery") and f["scope"] == "job"]
     assert len(job) == 1 and job[0][0] == "slowdown" and abs(job[0][1]) <= 150, job
     assert abs(job[0][2] / 1.5 - 1) < 0.08, job
+    # A controller gets the agent's iterations only, not its `pattern`
+    # events: it reads the same restart from their period.
+    from greyhound_bpf.engine.iterations import IterationRecord
+    fields = [f for kind, f, _ in events if kind == "iteration"]
+    assert {f["period"] for f in fields} == {2, 1}
+    ctl = JobPipeline(cat)
+    ctl.add_rank(0, 0)
+    got = ctl.feed_iterations(0, [IterationRecord(**f) for f in fields])
+    assert [(k, f["onset_ns"]) for k, f, _ in got if k == "slowdown"] == \
+        [(k, f["onset_ns"]) for k, f, _ in events if k == "slowdown"]

@@ -45,11 +45,25 @@ def downstream(events: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", ["compute-demo4-r2", "preslow-user4-r2-strong",
-                                  "heldout-early-demo4-r1"])
+                                  "heldout-early-demo4-r1", "compute-localsgd3-r1"])
 def test_iterations_give_what_calls_give(name):
     ea, eb = both(name)
     a, b = downstream(ea), downstream(eb)
     assert any(e["kind"] == "diagnosis" and e["cause"] == "computation" for e in a)
+    assert a == b
+
+
+def test_a_new_period_restarts_the_detectors_of_an_analysis_fed_iterations():
+    """Post-local SGD, healthy: DDP's warm-up, one step an iteration, then
+    4 steps between averagings. A `pattern` event is the agent's own: the
+    controller reads the new period from the iterations and restarts its
+    detectors as the agent's analysis did (without it, a slowdown of x1.3
+    at the change, on every rank and the job's, and one more diagnosis)."""
+    ea, eb = both("healthy-localsgd3")
+    assert any(e["kind"] == "pattern" and e["previous"] not in (None, e["period_calls"])
+               for e in ea)
+    a, b = downstream(ea), downstream(eb)
+    assert not [e for e in b if e["kind"] == "diagnosis" and e["cause"] != "unknown"]
     assert a == b
 
 

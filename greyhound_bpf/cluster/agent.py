@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 
+from ..engine.iterations import ITERATION_FIELDS
 from .bus import AgentBus, _text
 from .connect import Endpoint, Refused, check, client
 from .identity import commands_stream
@@ -223,8 +224,7 @@ class Agent:
         pid = next((p for p, d in self.ranks.items() if d["rank"] == ev.get("rank")), None)
         if pid is None:
             return                   # not a rank (no RANK): nothing the job-wide view can use
-        item = {k: ev[k] for k in ("index", "start_ns", "dur_ns", "period_calls", "comm_ns",
-                                   "compute_ns", "p2p_ns") if k in ev}
+        item = {k: ev[k] for k in ITERATION_FIELDS if k in ev}
         if ev.get("disturbed"):
             item["disturbed"] = ev["disturbed"]
         self.pending.setdefault(pid, []).append(item)

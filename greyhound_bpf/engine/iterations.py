@@ -26,12 +26,18 @@ class IterationRecord:
     comm_ns: int         # time inside blocking calls (union over threads)
     compute_ns: int      # dur_ns - comm_ns
     p2p_ns: int = 0      # of comm_ns, inside point-to-point calls (a pipeline's sends)
+    period: int = 0      # the pattern's period in calls (0: not known, older recordings)
 
     def fields(self) -> dict:
         return {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
                 "dur_ns": self.dur_ns, "period_calls": self.period_calls,
                 "comm_ns": self.comm_ns, "compute_ns": self.compute_ns,
-                "p2p_ns": self.p2p_ns}
+                "p2p_ns": self.p2p_ns, "period": self.period}
+
+
+# What a node's agent publishes of each iteration (its rank is the key).
+ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns",
+                    "p2p_ns", "period")
 
 
 @dataclass(frozen=True)
@@ -343,7 +349,8 @@ class IterationEstimator:
         comm = min(int(_kernels.union_ns(s_, e_)), dur)
         pp = self._p2p[a:b][sel]
         p2p = min(int(_kernels.union_ns(s_[pp], e_[pp])), comm)
-        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm, p2p)
+        return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm, p2p,
+                               self.period)
 
     def _trim(self) -> None:
         keep_from = len(self._types) - self.window

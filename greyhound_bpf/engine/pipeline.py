@@ -54,6 +54,7 @@ class RankState:
     types: dict = field(default_factory=dict)   # (fn, comm) -> call type id
     last: IterationRecord | None = None
     fed: FedLog = field(default_factory=FedLog)  # (iteration index, start_ns) per detector input
+    period: int = 0                # the pattern's period of its latest iteration
 
 
 def _order(r: RankState) -> tuple:
@@ -154,15 +155,13 @@ class JobPipeline:
                                       self._p2p[fn]):
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
-                if item.previous is not None and item.previous != item.period_calls:
-                    self._new_unit(rs)
             else:
                 out += self._iteration(rs, item)
         return out
 
     def _new_unit(self, rs: RankState) -> None:
-        """The rank's iterations are another number of calls now: their
-        times are of another unit, and a level read in the old one is no
+        """The rank's pattern has another period now: its iterations' times
+        are of another unit, and a level read in the old one is no
         reference (post-local SGD: one step per iteration under DDP, then
         the 4 steps between two averagings, a "slowdown" of x1.3 that the
         job's own log, step by step, read faster). Its detector starts
@@ -186,6 +185,11 @@ class JobPipeline:
         return out
 
     def _iteration(self, rs: RankState, item: IterationRecord) -> list[tuple[str, dict, int]]:
+        # Read from the iterations, not from the `pattern` event: a node's
+        # agent forwards only its iterations to the controller.
+        if item.period and rs.period and item.period != rs.period:
+            self._new_unit(rs)
+        rs.period = item.period or rs.period
         f = item.fields()
         span = self.activity.disturbing(item.start_ns, item.start_ns + item.dur_ns)
         if span is not None:
