@@ -491,6 +491,24 @@ def test_a_trial_return_to_even_when_validation_is_off():
     assert plans(run(pol, job, 120)) == [] and not pol.slow    # gone: even stays
 
 
+def test_a_trial_that_finds_the_fault_lasting_measures_what_the_next_look_costs():
+    """The even split's level in the fault is read once at the first plan,
+    at one moment of a quota (bench_mitigation: 22.2 ms there, a trial 20 s
+    later at 38.7-48, and the look costed at a fifth of what it took). A
+    trial that finds the fault lasting has just measured it again: the
+    next look is costed at that."""
+    job, pol, plan = unvalidated_quota_job()
+    read = pol.episode.even_ms
+    pol.episode.even_ms = 12.0                # a mild moment's reading
+    low = pol._trial_cost_ms()
+    (trial,) = pol.trial_due(job.now + int(60e9))
+    apply(pol, job, trial)
+    (back,) = plans(run(pol, job, 80))
+    assert "the fault lasts" in back.reason
+    assert pol.episode.even_ms == pytest.approx(read, rel=0.1)
+    assert pol.episode.even_ms > 12.0 and pol._trial_cost_ms() > 2 * low
+
+
 def test_looks_stay_20_s_apart_until_they_cost_what_a_held_plan_would():
     """Ski rental for "is the fault gone?": a fault of 10 minutes, validation
     off, so each look is a trial at the even split (1 s at 18 ms against the
