@@ -195,14 +195,14 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
                                      "moe_alltoall", "tensor_data_parallel",
-                                     "local_sgd", "zero_ddp"])
+                                     "local_sgd", "zero_ddp", "batch_rampup"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
     lengths; PowerSGD-compressed gradients; many gradient buckets and a
     logging step; experts exchanging tokens all-to-all; tensor and data
     parallelism at once, 4 ranks; post-local SGD; ZeRO-1's sharded
-    optimizer and a logging all-reduce) stay runnable: 2 ranks (or 4), 6 steps
+    optimizer and a logging all-reduce; a batch-size ramp-up) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -211,7 +211,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "bucketed_mlp": ("--sync-every", "4"),
              "tensor_data_parallel": ("--checksums",),
              "local_sgd": ("--warmup", "2", "--period", "2", "--checksums"),
-             "zero_ddp": ("--log-every", "3", "--checksums")}.get(example, ())
+             "zero_ddp": ("--log-every", "3", "--checksums"),
+             "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
+                              "--checksums")}.get(example, ())
     nproc = 4 if example == "tensor_data_parallel" else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
@@ -291,6 +293,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         shards = [mine[r, 0]["shard"] for r in range(2)]
         assert all(shards) and sum(shards) == mine[0, 0]["tensors"], shards
         assert [i for i in range(6) if mine[0, i]["logged"]] == [2, 5]
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+    if example == "batch_rampup":
+        # One micro-batch more every second iteration up to 3, and DDP keeps
+        # the replicas equal through the accumulation (and they train).
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [mine[0, i]["microbatches"] for i in range(6)] == [1, 1, 2, 2, 3, 3]
         for i in range(6):
             assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
         assert len({mine[0, i]["params"] for i in range(6)}) == 6
