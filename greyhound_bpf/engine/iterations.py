@@ -4,6 +4,7 @@ ACF, an anchor k-gram that marks where each iteration starts, and one
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,9 +36,9 @@ class IterationRecord:
                 "p2p_ns": self.p2p_ns, "period": self.period}
 
 
-# What a node's agent publishes of each iteration (its rank is the key).
-ITERATION_FIELDS = ("index", "start_ns", "dur_ns", "period_calls", "comm_ns", "compute_ns",
-                    "p2p_ns", "period")
+# What a node's agent publishes of each iteration (its rank is the key):
+# all of it, so that the controller's analysis reads what the agent's did.
+ITERATION_FIELDS = tuple(f.name for f in dataclasses.fields(IterationRecord) if f.name != "rank")
 
 
 @dataclass(frozen=True)
