@@ -28,7 +28,7 @@ from .diagnosis.rules import Result, decide, edges_of
 from .diagnosis.verdict import Diagnosis
 from .engine.activity import ActivityLog
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
-from .engine.iterations import IterationRecord
+from .engine.iterations import ITERATION_FIELDS, IterationRecord
 from .engine.pipeline import JobPipeline
 from .engine.topology import Topology
 from .events import make_event
@@ -301,10 +301,9 @@ class JobAnalysis:
     def _iterations(self, inp: Iterations) -> list[dict]:
         r = self.ranks.get(inp.key)
         self.pipeline.add_rank(inp.key, r.rank if r else None)
-        items = [IterationRecord(r.rank if r else None, int(d["index"]), int(d["start_ns"]),
-                                 int(d["dur_ns"]), int(d["period_calls"]), int(d["comm_ns"]),
-                                 int(d["compute_ns"]), int(d.get("p2p_ns", 0)),
-                                 int(d.get("period", 0)))
+        # (Fields an older agent or recording lacks take the record's default.)
+        items = [IterationRecord(r.rank if r else None,
+                                 **{k: int(d[k]) for k in ITERATION_FIELDS if k in d})
                  for d in inp.items
                  if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))
