@@ -195,14 +195,16 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
                                      "moe_alltoall", "tensor_data_parallel",
-                                     "local_sgd", "zero_ddp", "batch_rampup"])
+                                     "local_sgd", "zero_ddp", "batch_rampup",
+                                     "static_graph"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
     lengths; PowerSGD-compressed gradients; many gradient buckets and a
     logging step; experts exchanging tokens all-to-all; tensor and data
     parallelism at once, 4 ranks; post-local SGD; ZeRO-1's sharded
-    optimizer and a logging all-reduce; a batch-size ramp-up) stay runnable: 2 ranks (or 4), 6 steps
+    optimizer and a logging all-reduce; a batch-size ramp-up; DDP's static
+    graph with activation checkpointing and gathered metrics) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -212,6 +214,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "tensor_data_parallel": ("--checksums",),
              "local_sgd": ("--warmup", "2", "--period", "2", "--checksums"),
              "zero_ddp": ("--log-every", "3", "--checksums"),
+             "static_graph": ("--metrics-every", "3", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example == "tensor_data_parallel" else 2
@@ -304,3 +307,15 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         for i in range(6):
             assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
         assert len({mine[0, i]["params"] for i in range(6)}) == 6
+    if example == "static_graph":
+        # Every third step each rank received every rank's metrics (and on
+        # no other step), and DDP's static graph, with the blocks recomputed
+        # in backward, keeps the replicas equal as they train.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        for r in range(2):
+            assert [mine[r, i]["gathered"] for i in range(6)] == [[], [], [0, 1], [], [],
+                                                                   [0, 1]]
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
