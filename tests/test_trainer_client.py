@@ -196,7 +196,7 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
-                                     "static_graph"])
+                                     "static_graph", "hsdp_mesh"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -204,7 +204,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     logging step; experts exchanging tokens all-to-all; tensor and data
     parallelism at once, 4 ranks; post-local SGD; ZeRO-1's sharded
     optimizer and a logging all-reduce; a batch-size ramp-up; DDP's static
-    graph with activation checkpointing and gathered metrics) stay runnable: 2 ranks (or 4), 6 steps
+    graph with activation checkpointing and gathered metrics; hybrid sharding
+    on a 2 x 2 mesh) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -215,9 +216,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "local_sgd": ("--warmup", "2", "--period", "2", "--checksums"),
              "zero_ddp": ("--log-every", "3", "--checksums"),
              "static_graph": ("--metrics-every", "3", "--checksums"),
+             "hsdp_mesh": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
-    nproc = 4 if example == "tensor_data_parallel" else 2
+    nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
@@ -319,3 +321,16 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
         assert len({mine[0, i]["params"] for i in range(6)}) == 6
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
+    if example == "hsdp_mesh":
+        # A 2 x 2 mesh: the ranks of a replica hold different shards, the
+        # same shard in the two replicas stays equal (the all-reduce across
+        # them), and the model trains on each rank's own samples.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [(mine[r, 0]["replica"], mine[r, 0]["shard"]) for r in range(4)] == \
+            [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[2, i]["params"], rel=1e-9), i
+            assert mine[1, i]["params"] == pytest.approx(mine[3, i]["params"], rel=1e-9), i
+            assert mine[0, i]["params"] != pytest.approx(mine[1, i]["params"], rel=1e-6), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert len({mine[r, 0]["loss"] for r in range(4)}) == 4
