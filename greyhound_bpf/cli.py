@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most this much of one CPU for start-up (before the probes "
                         "are in; default: no cap, idle priority only): a job that leaves "
                         "CPU idle loses less in any 2 s, the probes come in later")
-    a.add_argument("--pause-budget", type=T.fraction, default=PAUSE_BUDGET, metavar="F",
+    a.add_argument("--pause-budget", type=T.fraction, metavar="F",
                    help="most of any 10 minutes validation may keep the job paused "
                         f"(default {PAUSE_BUDGET:g}: 1%%)")
     a.add_argument("--always-validate", action="store_true",
@@ -289,6 +289,7 @@ def _json_target(args) -> str | None:
 
 def cmd_attach(args) -> int:
     from .attach import AttachOptions, AttachSession
+    from .diagnosis.planner import PAUSE_BUDGET
     from .probe.tracer import DEFAULT_RINGBUF_PAGES
     if args.ebpf:
         from .probe.tracer import Tracer
@@ -303,7 +304,18 @@ def cmd_attach(args) -> int:
     agent = cluster_cli.agent_setup(args, pids)
     if agent is not None:
         # The controller validates and plans for the whole job; the node's
-        # control file gets its plans through the agent.
+        # control file gets its plans through the agent. Its options given
+        # to an agent would do nothing: said, not dropped.
+        theirs = [flag for flag, given in (("--mitigate", args.mitigate),
+                                           ("--no-validate", args.no_validate),
+                                           ("--always-validate", args.always_validate),
+                                           ("--pause-budget", args.pause_budget is not None))
+                  if given]
+        if theirs:
+            raise GreyhoundError(
+                f"{', '.join(theirs)}: with --cluster the controller validates and plans for "
+                f"the whole job; give {'them' if len(theirs) > 1 else 'it'} to "
+                "`greyhound-trace controller`")
         args.job, args.no_validate, args.mitigate = agent.job, True, False
     out = _json_target(args)
     addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)
@@ -324,7 +336,8 @@ def cmd_attach(args) -> int:
         restart_estimate_s=args.restart_cost, metrics_port=port, metrics_addr=addr,
         metrics_tls=tls,
         timestamps=args.timestamp, validate=not args.no_validate,
-        pause_max_s=args.pause_max, pause_budget=args.pause_budget, cluster=agent,
+        pause_max_s=args.pause_max, cluster=agent,
+        pause_budget=PAUSE_BUDGET if args.pause_budget is None else args.pause_budget,
         always_validate=args.always_validate,
         tui=sys.stdout.isatty() and out != "-" and not args.no_tui and not args.quiet)
     if args.microbatches is not None and args.microbatches < 1:

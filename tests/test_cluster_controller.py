@@ -414,6 +414,13 @@ def test_a_standby_takes_over_from_a_killed_leader_with_no_duplicate_plan(bed, f
      "--node 'a b': use letters"),
     (["attach", "1", "--cluster", "http://127.0.0.1:1", "--node", "a", "--job", "j"], 2,
      "give redis://HOST:PORT"),
+    # The controller's options, given to an agent, would do nothing there.
+    (["attach", "1", "--cluster", "redis://127.0.0.1:1", "--node", "a", "--job", "j",
+      "--mitigate", "--control-file", "/tmp/x.json"], 2,
+     "--mitigate: with --cluster the controller validates and plans"),
+    (["attach", "1", "--cluster", "redis://127.0.0.1:1", "--node", "a", "--job", "j",
+      "--pause-budget", "0.05", "--no-validate"], 2,
+     "--no-validate, --pause-budget: with --cluster the controller"),
     (["controller", "--cluster", "redis://127.0.0.1:1"], 2, "needs --cluster URL and --job"),
     (["controller", "--cluster", "redis://127.0.0.1:1", "--job", "j"], 1, "cannot be reached"),
     (["controller", "--cluster", "redis://127.0.0.1:1", "--job", "j", "--cluster-ca", "x.pem"],

@@ -115,6 +115,9 @@ def agent_setup(args, pids: list[int]) -> AgentSetup | None:
 
 def add_controller_parser(sub, output_args, positive) -> None:
     import argparse
+
+    from ..argtypes import fraction
+    from ..diagnosis.planner import PAUSE_BUDGET
     c = sub.add_parser("controller", help="the job-wide view over every node's agent",
                        description="Read every node's agent (attach --cluster) through Redis\n"
                                    "Streams and run one analysis over all the job's ranks: one\n"
@@ -143,6 +146,9 @@ def add_controller_parser(sub, output_args, positive) -> None:
     c.add_argument("--always-validate", action="store_true",
                    help="validate a verdict even when the plan made on it ran as predicted "
                         "(by default that confirms it: no pause)")
+    c.add_argument("--pause-budget", type=fraction, default=PAUSE_BUDGET, metavar="F",
+                   help="most of any 10 minutes validation may keep the job paused "
+                        f"(default {PAUSE_BUDGET:g}: 1%%)")
     c.add_argument("--microbatches", type=int, metavar="M",
                    help="the global batch in micro-batches (else from the trainers' acks)")
     c.add_argument("--restart-cost", type=positive, default=60.0, metavar="S",
@@ -184,7 +190,8 @@ def cmd_controller(args, json_target) -> int:
 
     config = AnalysisConfig(validate=not args.no_validate, mitigate=args.mitigate,
                             microbatches=args.microbatches, restart_estimate_s=args.restart_cost,
-                            plan_tests=not args.always_validate)
+                            plan_tests=not args.always_validate,
+                            pause_budget=args.pause_budget)
     catalog = load_catalog()
     analysis = JobAnalysis(catalog, job, config)    # (seconds of imports: before leading)
     recorder = None
