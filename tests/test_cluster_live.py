@@ -197,12 +197,15 @@ LINK_TRAIN = ("--microbatches", "2", "--mb-size", "64", "--hidden", "512", "--la
               "--bucket-mb", "1")
 
 
-def test_three_nodes_one_slow_link(tmp_path, tracer):
+def test_three_nodes_one_slow_link_then_one_slow_device(tmp_path, tracer):
     """Three nodes, one rank each (with two, either end of the one path
     between them could be the slow one): a 200mbit tbf on node n1's veth.
     Asked by the controller, every agent runs its side of the edges between
     nodes (workers on both ends, their own rendezvous through the command
-    stream); the merged measurements name node n1's link."""
+    stream); the merged measurements name node n1's link. Then, the link
+    back, a CPU quota on node n2's rank: alone on its node, its device is
+    measured with no witness beside it, so the controller measures it again
+    beside the fastest (the second look), and a slow device stays slow."""
     bed = NetBed(3, prefix="ghk", subnet="10.214.0")
     procs: list[subprocess.Popen] = []
     with bed:
@@ -231,7 +234,9 @@ def _run_links(tmp_path, bed, redis, tracer, procs):
     procs.append(subprocess.Popen(
         [*GREYHOUND, "controller", "--cluster", redis.url, "--job", "ghlk",
          "--cluster-secret", str(redis.secret_file("controller")), "-o", str(events_path),
-         "--record", str(recording)],
+         # Two faults a minute apart, each validated (the second look a
+         # pause too), where the default budget is 6 s in 10 minutes.
+         "--pause-budget", "0.05", "--record", str(recording)],
         cwd=ROOT, stdout=open(tmp_path / "controller.out", "w"), stderr=subprocess.STDOUT,
         start_new_session=True))
     events = JsonlTail(events_path)
@@ -276,6 +281,26 @@ def _run_links(tmp_path, bed, redis, tracer, procs):
     inj.send_signal(signal.SIGINT)                   # the limit is lifted
     out, _ = inj.communicate(timeout=30)
     assert "undone" in out, out
+    lifted = time.time_ns()
+    wait_for(lambda: [e for e in kind("recovery") if e["time_ns"] > lifted
+                      and e["scope"] == "job"], 90, "the job back to its speed", interval=0.5,
+             why=story)
+    # A slow device alone on its node: measured slow on the nodes' pass,
+    # measured again beside the fastest, slow both times, and named.
+    on_n2 = next(iter(rank[2]))
+    with CpuQuota(rank[2][on_n2], max(0.02, cpu_share(rank[2][on_n2], 3) / 3)):
+        start = time.time_ns()
+        device = wait_for(lambda: [e for e in kind("diagnosis") if e["time_ns"] > start
+                                   and e["evidence"] == "validation"], 150,
+                          "the slow device measured", interval=0.5, why=story)[0]
+    assert (device["cause"], device["ranks"], device["nodes"]) == \
+        ("computation", [on_n2], ["n2"]), story()
+    devices = device["details"]["devices"]
+    assert sorted(map(int, devices)) == sorted(next(iter(rank[i])) for i in range(3)), devices
+    assert devices[str(on_n2)]["passes"] == 2, devices
+    assert "measured slow on one pass: measured again" in \
+        (tmp_path / "controller.out").read_text(), story()
+    assert device["details"]["paused_s"] <= 5
     for a in agents:
         a.stop()
     # The controller's analysis is replayable: its recording gives its verdicts.
