@@ -440,7 +440,7 @@ def test_agents_on_one_machine_measure_their_devices_one_at_a_time():
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_a_healthy_job_under_attach_and_validate(ddp_job, tracer, tmp_path):
-    """A healthy job under attach for 60 s, with `validate` run twice
+    """A healthy job under attach for 45 s, with `validate` run twice
     besides (one measurement at a time on the machine, attach's own
     validations included): no diagnosis beyond `unknown`, no slow device or
     link, no plan, no job slowdown its own log does not show, and the job
@@ -452,12 +452,12 @@ def test_a_healthy_job_under_attach_and_validate(ddp_job, tracer, tmp_path):
     t0 = time.monotonic()
     runs, started = [], []
     for i in range(2):
-        time.sleep(max(0.0, t0 + 20 + 20 * i - time.monotonic()))
+        time.sleep(max(0.0, t0 + 15 + 15 * i - time.monotonic()))
         out = tmp_path / f"v{i}.jsonl"
         started.append(time.time_ns())
         r = run_cli("validate", str(job.proc.pid), "-o", str(out), timeout=180)
         runs.append((r, read_events(out)))
-    time.sleep(max(0.0, t0 + 60 - time.monotonic()))
+    time.sleep(max(0.0, t0 + 45 - time.monotonic()))
     assert job.proc.poll() is None
     assert t.stop() == 0
     # Each `validate` this test starts loads the 2-core host before it can
