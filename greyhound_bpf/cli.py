@@ -303,19 +303,9 @@ def cmd_attach(args) -> int:
         raise GreyhoundError("give the PID of a rank or of its launcher (PID or -p PID)")
     agent = cluster_cli.agent_setup(args, pids)
     if agent is not None:
-        # The controller validates and plans for the whole job; the node's
-        # control file gets its plans through the agent. Its options given
-        # to an agent would do nothing: said, not dropped.
-        theirs = [flag for flag, given in (("--mitigate", args.mitigate),
-                                           ("--no-validate", args.no_validate),
-                                           ("--always-validate", args.always_validate),
-                                           ("--pause-budget", args.pause_budget is not None))
-                  if given]
-        if theirs:
-            raise GreyhoundError(
-                f"{', '.join(theirs)}: with --cluster the controller validates and plans for "
-                f"the whole job; give {'them' if len(theirs) > 1 else 'it'} to "
-                "`greyhound-trace controller`")
+        # The controller validates and plans for the whole job (agent_setup
+        # refuses its options); the node's control file gets its plans
+        # through the agent.
         args.job, args.no_validate, args.mitigate = agent.job, True, False
     out = _json_target(args)
     addr, port = args.metrics or (args.metrics_addr or "127.0.0.1", args.metrics_port)

@@ -100,6 +100,17 @@ def agent_setup(args, pids: list[int]) -> AgentSetup | None:
     from .identity import IdentityError, check_name
     if not args.node:
         raise GreyhoundError("--cluster needs --node NAME: this node's name in the job")
+    # The controller's options would do nothing on an agent: said, not dropped.
+    theirs = [flag for flag, given in (("--mitigate", args.mitigate),
+                                       ("--no-validate", args.no_validate),
+                                       ("--always-validate", args.always_validate),
+                                       ("--pause-budget", args.pause_budget is not None))
+              if given]
+    if theirs:
+        raise GreyhoundError(
+            f"{', '.join(theirs)}: with --cluster the controller validates and plans for the "
+            f"whole job; give {'them' if len(theirs) > 1 else 'it'} to "
+            "`greyhound-trace controller`")
     try:
         node = check_name("--node", args.node)
         job = check_name("--job", args.job) if args.job else job_from_environment(pids)
