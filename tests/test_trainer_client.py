@@ -7,6 +7,7 @@ checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py, bucketed_mlp.py) run."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -196,7 +197,7 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
-                                     "static_graph", "hsdp_mesh"])
+                                     "static_graph", "hsdp_mesh", "pipeline_1f1b"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -205,7 +206,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     parallelism at once, 4 ranks; post-local SGD; ZeRO-1's sharded
     optimizer and a logging all-reduce; a batch-size ramp-up; DDP's static
     graph with activation checkpointing and gathered metrics; hybrid sharding
-    on a 2 x 2 mesh) stay runnable: 2 ranks (or 4), 6 steps
+    on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -217,6 +218,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "zero_ddp": ("--log-every", "3", "--checksums"),
              "static_graph": ("--metrics-every", "3", "--checksums"),
              "hsdp_mesh": ("--checksums",),
+             "pipeline_1f1b": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -334,3 +336,21 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["params"] != pytest.approx(mine[1, i]["params"], rel=1e-6), i
         assert len({mine[0, i]["params"] for i in range(6)}) == 6
         assert len({mine[r, 0]["loss"] for r in range(4)}) == 4
+    if example == "pipeline_1f1b":
+        # Two stages, each with its half of the blocks; the pipeline's
+        # losses (the last stage's) and global gradient norms are the ones
+        # the same model trained in one process has, step by step, so the
+        # 1F1B schedule carried every activation and gradient to its place.
+        sys.path.insert(0, str(ROOT / "examples"))
+        try:
+            from pipeline_1f1b import reference
+        finally:
+            sys.path.remove(str(ROOT / "examples"))
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [(mine[r, 0]["stage"], mine[r, 0]["blocks"]) for r in range(2)] == [(0, 3),
+                                                                                 (1, 3)]
+        assert all(mine[0, i]["loss"] is None for i in range(6))
+        want = reference(6, width=128, depth=6, microbatches=6, mb_size=32)
+        assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
+        assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
+        assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
