@@ -343,6 +343,46 @@ def test_changepoints_defaults_are_the_textbook_model_on_a_real_series():
     assert changepoints(x) == want
 
 
+def one_f_one_b_middle_stage(steps: int, seed: int = 0):
+    """A middle pipeline stage's calls (examples/pipeline_1f1b.py, 3 stages,
+    6 micro-batches): receives (type 0) and sends (type 1) in strict turn,
+    24 a step, then the step's all-reduce (type 2); types, start and
+    duration (ns), and which calls are p2p and collective."""
+    rng = np.random.default_rng(seed)
+    types = np.array(([0, 1] * 12 + [2]) * steps)
+    dur = rng.uniform(0.2e6, 0.6e6, len(types)).astype(np.int64)
+    gap = rng.uniform(0.8e6, 1.2e6, len(types)).astype(np.int64)
+    gap[types == 2] += 3_000_000                  # the optimizer step before the all-reduce
+    start = np.cumsum(gap + np.roll(dur, 1))
+    return types, start, dur, types < 2, types == 2
+
+
+def test_a_pipeline_stage_period_is_its_step_not_its_micro_batch():
+    # Receives and sends in turn read as a period of 2 on the first calls,
+    # before the step's collective; at the first collective it is estimated
+    # again, and a period that holds the collective less than once in
+    # STEP_COLLECTIVE_EVERY periods is passed over: the step, 25 calls.
+    types, start, dur, p2p, coll = one_f_one_b_middle_stage(60)
+    est = IterationEstimator()
+    out = []
+    for i in range(0, len(types), 7):
+        out += est.feed(types[i:i + 7], start[i:i + 7], dur[i:i + 7], None, p2p[i:i + 7],
+                        coll[i:i + 7])
+    pcs = [o for o in out if isinstance(o, PatternChange)]
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 2), ("changed", 25)]
+    recs = [o for o in out if isinstance(o, IterationRecord) and o.period == 25]
+    assert len(recs) >= 50 and all(r.period_calls == 25 for r in recs)
+    assert all(0 < r.p2p_ns <= r.comm_ns < r.dur_ns for r in recs)
+    # Without knowing which calls are collectives, the turn is the period.
+    est = IterationEstimator()
+    out = est.feed(types, start, dur, None, p2p)
+    assert [o.period_calls for o in out if isinstance(o, PatternChange)] == [2]
+    # A rank with no point-to-point calls (no pipeline stage): as before.
+    est = IterationEstimator()
+    out = est.feed(types, start, dur, None, None, coll)
+    assert [o.period_calls for o in out if isinstance(o, PatternChange)] == [2]
+
+
 def test_p2p_time_is_the_share_of_comm_spent_in_point_to_point_calls():
     # Mark every other call type point-to-point: each iteration's p2p_ns is
     # the union of those calls' waits inside it, part of comm_ns; with none

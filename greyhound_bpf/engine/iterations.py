@@ -15,6 +15,14 @@ from . import _kernels
 # Calls of one type seen before each one is taken for an iteration: three
 # first tries (16 calls each) that found no longer period in their gaps.
 ONE_CALL_MIN_CALLS = 48
+# A pipeline stage's point-to-point calls repeat once per micro-batch, and
+# its step's collective (the gradients' all-reduce, a global-norm clip) once
+# per step. A period of a stage's calls must hold a collective at least
+# once in this many periods on average where the window has collectives,
+# else it is a micro-batch's (a middle stage of a 1F1B pipeline sends and
+# receives in strict turn: period 2, at ACF 0.9, where its step is 25
+# calls; examples/pipeline_1f1b.py, held out at first, was missed so).
+STEP_COLLECTIVE_EVERY = 2
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,11 @@ class IterationEstimator:
        peak reaches ``peak_fraction`` of the highest one. When types alone do
        not repeat (gloo DDP issues one all-reduce type), each call is also
        tagged by whether it follows a long host gap, which marks the
-       iteration's compute phase.
+       iteration's compute phase. On a rank with point-to-point calls (a
+       pipeline stage) whose window holds collectives, a period that holds
+       one less than once in STEP_COLLECTIVE_EVERY periods is a
+       micro-batch's, not the step's, and is passed over; a period locked
+       before any collective was seen is estimated again at the first one.
     2. Alignment: an anchor k-gram, the one whose occurrences are most
        regularly one period apart, preferring the phase after the longest
        host gap (the iteration start). Iterations run from one anchor to the
@@ -118,11 +130,13 @@ class IterationEstimator:
         self._end = np.empty(0, dtype=np.int64)
         self._block = np.empty(0, dtype=bool)
         self._p2p = np.empty(0, dtype=bool)
+        self._coll = np.empty(0, dtype=bool)
         self._gap = np.empty(0, dtype=np.int64)
         self._offset = 0            # global call index of buffer position 0
         self._last_call_start = None
         self.state = "warming_up"
         self.period: int | None = None
+        self._p2p_only = False      # locked on point-to-point calls, no collective seen
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
         self._last_anchor: int | None = None  # global index
@@ -136,12 +150,13 @@ class IterationEstimator:
 
     # -- feeding -----------------------------------------------------------------
 
-    def feed(self, types, start_ns, dur_ns, blocking=None, p2p=None) -> list:
+    def feed(self, types, start_ns, dur_ns, blocking=None, p2p=None, collective=None) -> list:
         """Add calls (in start order); returns IterationRecords and
         PatternChanges in the order they happened. The result does not
         depend on how the calls are split into batches. `blocking`: calls
         the host waits in (all, if not given); `p2p`: which of them are
-        point-to-point (none, if not given)."""
+        point-to-point (none, if not given); `collective`: which calls are
+        collectives (none, if not given)."""
         types = np.asarray(types, dtype=np.int64)
         start = np.asarray(start_ns, dtype=np.int64)
         dur = np.asarray(dur_ns, dtype=np.int64)
@@ -149,9 +164,13 @@ class IterationEstimator:
                  else np.asarray(blocking, dtype=bool))
         pp = (np.zeros(len(types), dtype=bool) if p2p is None
               else np.asarray(p2p, dtype=bool))
-        if not (types.ndim == start.ndim == dur.ndim == block.ndim == pp.ndim == 1
-                and len(types) == len(start) == len(dur) == len(block) == len(pp)):
-            raise ValueError("types, start_ns, dur_ns, blocking and p2p differ in length")
+        co = (np.zeros(len(types), dtype=bool) if collective is None
+              else np.asarray(collective, dtype=bool))
+        if not (types.ndim == start.ndim == dur.ndim == block.ndim == pp.ndim == co.ndim == 1
+                and len(types) == len(start) == len(dur) == len(block) == len(pp)
+                == len(co)):
+            raise ValueError("types, start_ns, dur_ns, blocking, p2p and collective differ "
+                             "in length")
         if len(types) == 0:
             return []
         if types.min() < 0:
@@ -165,11 +184,11 @@ class IterationEstimator:
             if self.state != "locked":
                 j = min(j, i + max(1, self._try_at - self._seen))
             out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j],
-                              pp[i:j])
+                              pp[i:j], co[i:j])
             i = j
         return out
 
-    def _feed(self, types, start, end, block, p2p) -> list:
+    def _feed(self, types, start, end, block, p2p, coll) -> list:
         prev = self._last_call_start if self._last_call_start is not None else start[0]
         gap = np.diff(start, prepend=prev)
         self._last_call_start = int(start[-1])
@@ -178,9 +197,17 @@ class IterationEstimator:
         self._end = np.concatenate([self._end, end])
         self._block = np.concatenate([self._block, block])
         self._p2p = np.concatenate([self._p2p, p2p])
+        self._coll = np.concatenate([self._coll, coll])
         self._gap = np.concatenate([self._gap, gap])
         self._seen += len(types)
         out: list = []
+        if self.state == "locked" and self._p2p_only and coll.any():
+            # A pipeline stage locked on its micro-batches' sends and
+            # receives before its step's first collective: the step is
+            # longer. Estimated again over every call kept, that one too.
+            self.state = "relocking"
+            self._try_at = self._seen
+            self._last_anchor = None
         if self.state == "locked":
             out += self._match()
         if self.state != "locked" and self._seen >= self._try_at:
@@ -215,6 +242,8 @@ class IterationEstimator:
             lo = max(lo, min(self._last_anchor - self._offset + (self.period or 0),
                              len(self._types)))
         n = len(self._types) - lo
+        # A pipeline stage's step holds its collective (STEP_COLLECTIVE_EVERY).
+        colls = int(self._coll[lo:].sum()) if self._p2p[lo:].any() else 0
         nlags = min(self.max_period, n // self.min_repeats)
         if nlags < self.min_period:
             self._try_at = self._seen + self.min_calls
@@ -226,7 +255,7 @@ class IterationEstimator:
                 continue
             self._gap_thr = thr
             toks = self._tokens(lo, len(self._types))
-            found = self._period_and_anchor(toks, self._gap[lo:], nlags)
+            found = self._period_and_anchor(toks, self._gap[lo:], nlags, colls)
             self._gap_thr = None
             if found and (best is None or found[2] > best[2]):
                 best = (*found, thr)
@@ -248,6 +277,7 @@ class IterationEstimator:
         self._anchor = toks[phase:phase + kk].copy()
         previous = self.period
         self.period = period
+        self._p2p_only = colls == 0 and bool(self._p2p[lo:].any())
         self.state = "locked"
         self._irregular = 0
         self._scanned = self._offset + lo
@@ -257,7 +287,8 @@ class IterationEstimator:
                              "locked" if previous is None else "changed",
                              int(self._start[-1]), peak, score, thr is not None)
 
-    def _period_and_anchor(self, toks: np.ndarray, gaps: np.ndarray, nlags: int):
+    def _period_and_anchor(self, toks: np.ndarray, gaps: np.ndarray, nlags: int,
+                           colls: int = 0):
         n = len(toks)
         ntypes = int(toks.max()) + 1
         r = _kernels.categorical_acf(toks, ntypes, nlags)
@@ -279,6 +310,8 @@ class IterationEstimator:
                 continue
             lo = max(self.min_period, int(k - width[k]))
             k_best = int(np.argmax(adj[lo:k + width[k] + 1])) + lo
+            if colls and colls * STEP_COLLECTIVE_EVERY * k_best < n:
+                continue                        # a micro-batch's period, not the step's
             kk = _anchor_length(k_best, ntypes, self.anchor_k)
             if n < self.min_repeats * k_best + kk:
                 return None
@@ -359,7 +392,7 @@ class IterationEstimator:
             keep_from = min(keep_from, self._last_anchor - self._offset - (self.period or 0))
         keep_from = min(keep_from, self._scanned - self._offset - self.anchor_k)
         if keep_from > 0:
-            for name in ("_types", "_start", "_end", "_block", "_p2p", "_gap"):
+            for name in ("_types", "_start", "_end", "_block", "_p2p", "_coll", "_gap"):
                 setattr(self, name, getattr(self, name)[keep_from:])
             self._offset += keep_from
 

@@ -83,6 +83,7 @@ class JobPipeline:
         self._count_slot = np.full(n, -1, dtype=np.int64)
         self._blocking = np.zeros(n, dtype=bool)
         self._p2p = np.zeros(n, dtype=bool)
+        self._coll = np.zeros(n, dtype=bool)
         for fn in catalog.functions:
             if "comm" in fn.args:
                 self._comm_slot[fn.fid] = fn.args.index("comm")
@@ -93,6 +94,7 @@ class JobPipeline:
                 self._count_slot[fn.fid] = FIELD_SLOT0 + names.index("count")
             self._blocking[fn.fid] = fn.blocking
             self._p2p[fn.fid] = fn.kind == "p2p"
+            self._coll[fn.fid] = fn.kind == "collective"
 
     def add_rank(self, key: int, rank: int | None) -> None:
         if key not in self.ranks:
@@ -152,7 +154,7 @@ class JobPipeline:
         types = lut[inv]
         out = []
         for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn],
-                                      self._p2p[fn]):
+                                      self._p2p[fn], self._coll[fn]):
             if isinstance(item, PatternChange):
                 out.append(("pattern", item.fields(), item.at_ns))
             else:
