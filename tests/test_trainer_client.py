@@ -197,7 +197,8 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
-                                     "static_graph", "hsdp_mesh", "pipeline_1f1b"])
+                                     "static_graph", "hsdp_mesh", "pipeline_1f1b",
+                                     "toy_ddp"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -206,7 +207,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     parallelism at once, 4 ranks; post-local SGD; ZeRO-1's sharded
     optimizer and a logging all-reduce; a batch-size ramp-up; DDP's static
     graph with activation checkpointing and gathered metrics; hybrid sharding
-    on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank) stay runnable: 2 ranks (or 4), 6 steps
+    on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank; the DDP
+    tutorial's toy model, a millisecond an iteration) stay runnable: 2 ranks (or 4), 6 steps
     each, every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -219,6 +221,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "static_graph": ("--metrics-every", "3", "--checksums"),
              "hsdp_mesh": ("--checksums",),
              "pipeline_1f1b": ("--checksums",),
+             "toy_ddp": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -354,3 +357,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
         assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
         assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+    if example == "toy_ddp":
+        # DDP keeps the replicas equal as they step on their own samples.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
