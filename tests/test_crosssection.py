@@ -236,3 +236,31 @@ def test_the_hold_needs_a_full_look_first():
     assert xs.last["suspect"] == 1
     assert 0.24 < xs.last["excess_ms"] / xs.last["iteration_ms"] < 0.30
     assert got == []
+
+
+def test_a_fast_job_throttled_inside_its_all_reduce_is_named_on_the_trimmed_means():
+    """bench_tries' miss at first contact on examples/toy_ddp.py (the DDP
+    tutorial's toy model, 3 ms an iteration healthy), in the corpus as
+    tests/scenarios/preslow-toy3-r1: rank 1 at 0.3 of its CPU from before
+    the attach, the job 4x slower. Nearly all of an iteration is the
+    all-reduce, and the slow rank is throttled inside it too: its compute
+    read 2-5x the others' but only 0.1-0.4 of the iteration, the largest in
+    60-90% of its iterations. The trimmed means' test with the STRONG_REL
+    path names it within 15 s of the attach; without that path it was
+    named 47.8 s after it."""
+    import corpus
+    import greyhound_bpf.diagnosis.crosssection as X
+
+    def named(evs, attached):
+        return [((e["time_ns"] - attached) / 1e9, e["ranks"], e["details"].get("intermittent"))
+                for e in evs if e["kind"] == "diagnosis" and e["cause"] == "computation"]
+
+    t = corpus.truth("preslow-toy3-r1")
+    got = named(corpus.replay("preslow-toy3-r1"), t["attached_ns"])
+    assert got and got[0][0] < 15.0 and got[0][1:] == ([1], True), got
+    saved, X.STRONG_REL = X.STRONG_REL, math.inf
+    try:
+        late = named(corpus.replay("preslow-toy3-r1"), t["attached_ns"])
+    finally:
+        X.STRONG_REL = saved
+    assert not late or late[0][0] > 15.0, late
