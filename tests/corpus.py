@@ -62,6 +62,16 @@ def expectations(name: str) -> list[dict]:
     return e if isinstance(e, list) else [e] * n
 
 
+def known_miss(name: str) -> str | None:
+    """A held-out scenario's recorded miss (corpus.toml's `miss`: why), kept
+    as it failed: no rule was tuned on it, and its test is a strict xfail
+    that fails the day it passes."""
+    import tomllib
+    with open(SCENARIOS / "corpus.toml", "rb") as fh:
+        sc = next(s for s in tomllib.load(fh)["scenario"] if s["name"] == name)
+    return sc.get("miss")
+
+
 def replay(name: str, **config) -> list[dict]:
     from greyhound_bpf.replay import replay as run
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)

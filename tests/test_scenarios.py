@@ -6,7 +6,9 @@ seen once. Runs without root or BPF: the recordings hold every input.
 
 Held-out scenarios (no rule is tuned on them) are pinned on what the design
 promises, not on what a tuning run saw; scripts/bench_scenarios reports
-their figures apart."""
+their figures apart. One that misses it and is kept held out (not tuned on
+yet) says so in corpus.toml (`miss`): its test is then a strict xfail,
+listed in every run's summary, that fails once the scenario passes."""
 import pytest
 
 import corpus
@@ -47,7 +49,12 @@ def test_each_rank_once(name, scored):
     assert scored(name)["ranks"] == list(range(t["nproc"]))
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if corpus.truth(n)["faults"]])
+def _missed(name):
+    why = corpus.known_miss(name)
+    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why)) if why else name
+
+
+@pytest.mark.parametrize("name", [_missed(n) for n in ALL if corpus.truth(n)["faults"]])
 def test_the_fault_is_named(name, scored):
     r = scored(name)
     for f, expect in zip(r["faults"], corpus.expectations(name), strict=True):
