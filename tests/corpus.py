@@ -21,8 +21,10 @@ Scoring, per scenario:
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
+import tomllib
 from pathlib import Path
 
 from greyhound_bpf.engine.iterations import ITERATION_FIELDS
@@ -54,9 +56,7 @@ def expectations(name: str) -> list[dict]:
     """Per fault of the scenario, what its verdicts must be (corpus.toml's
     `expect`: one table for every fault, or a list with one per fault):
     `passive` / `validated` (named right, default true), `passive_within_s`."""
-    import tomllib
-    with open(SCENARIOS / "corpus.toml", "rb") as fh:
-        sc = next(s for s in tomllib.load(fh)["scenario"] if s["name"] == name)
+    sc = _scenario(name)
     n = len(sc.get("fault", []))
     e = sc.get("expect", {})
     return e if isinstance(e, list) else [e] * n
@@ -66,10 +66,18 @@ def known_miss(name: str) -> str | None:
     """A held-out scenario's recorded miss (corpus.toml's `miss`: why), kept
     as it failed: no rule was tuned on it, and its test is a strict xfail
     that fails the day it passes."""
-    import tomllib
+    return _scenario(name).get("miss")
+
+
+@functools.cache
+def _rows() -> dict[str, dict]:
     with open(SCENARIOS / "corpus.toml", "rb") as fh:
-        sc = next(s for s in tomllib.load(fh)["scenario"] if s["name"] == name)
-    return sc.get("miss")
+        return {s["name"]: s for s in tomllib.load(fh)["scenario"]}
+
+
+def _scenario(name: str) -> dict:
+    """The scenario's row of corpus.toml."""
+    return _rows()[name]
 
 
 def replay(name: str, **config) -> list[dict]:
