@@ -145,7 +145,8 @@ def main(argv=None) -> int:
                                  epilog="examples:\n  sudo scripts/bench_tries\n"
                                  "  sudo scripts/bench_tries --tries 20 --seed 11\n"
                                  "  sudo scripts/bench_tries --tries 12 --seed 17 19 23\n"
-                                 "  sudo scripts/bench_tries --period-ms 100",
+                                 "  sudo scripts/bench_tries --period-ms 100\n"
+                                 "  sudo scripts/bench_tries --trainer toy --nproc 4",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=8, help="tries of each kind")
     ap.add_argument("--seed", type=int, nargs="+", default=[7],
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
                     help="the job: user (scripts/user_train.py, 4 ranks), or another "
                          "job shape of tests/harness.TRAINERS at its defaults, 3 ranks "
                          "(tpdp 4; the corpus says which are held out)")
+    ap.add_argument("--nproc", type=int,
+                    help="ranks of the job (default: the shape's, as above); a job shape "
+                         "tuned at 3 ranks is another job at 4")
     ap.add_argument("--period-ms", type=float,
                     help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
@@ -168,6 +172,11 @@ def main(argv=None) -> int:
         return 1
     kinds = [k for k in ("before", "after") if args.only in (None, k)]
     nproc, train = SHAPES[args.trainer]
+    if args.nproc is not None:
+        if not 2 <= args.nproc <= 8:
+            print("bench_tries: --nproc: 2 to 8 ranks", file=sys.stderr)
+            return 2
+        nproc = args.nproc
     plan = []
     for seed in args.seed:
         rng = random.Random(seed)
