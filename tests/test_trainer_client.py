@@ -198,7 +198,7 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
-                                     "toy_ddp"])
+                                     "toy_ddp", "gan_ddp"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -208,8 +208,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     optimizer and a logging all-reduce; a batch-size ramp-up; DDP's static
     graph with activation checkpointing and gathered metrics; hybrid sharding
     on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank; the DDP
-    tutorial's toy model, a millisecond an iteration) stay runnable: 2 ranks (or 4), 6 steps
-    each, every iteration in the truth log."""
+    tutorial's toy model, a millisecond an iteration; a GAN's two DDP
+    models in turn) stay runnable: 2 ranks (or 4), 6 steps each, every
+    iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
@@ -222,6 +223,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "hsdp_mesh": ("--checksums",),
              "pipeline_1f1b": ("--checksums",),
              "toy_ddp": ("--checksums",),
+             "gan_ddp": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -363,4 +365,15 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         for i in range(6):
             assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
         assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
+    if example == "gan_ddp":
+        # Both models' replicas stay equal as they step (the generator's
+        # gradients all-reduced through the unsynced discriminator), each
+        # rank on its own images, and both models train.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        for i in range(6):
+            for m in ("params_g", "params_d"):
+                assert mine[0, i][m] == pytest.approx(mine[1, i][m], rel=1e-9), (i, m)
+        assert len({mine[0, i]["params_g"] for i in range(6)}) == 6
+        assert len({mine[0, i]["params_d"] for i in range(6)}) == 6
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
