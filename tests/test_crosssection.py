@@ -249,21 +249,8 @@ def test_a_fast_job_throttled_inside_its_all_reduce_is_named_on_the_trimmed_mean
     60-90% of its iterations. The trimmed means' test with the STRONG_REL
     path names it within 15 s of the attach; without that path it was
     named 47.8 s after it."""
-    import corpus
-    import greyhound_bpf.diagnosis.crosssection as X
-
-    def named(evs, attached):
-        return [((e["time_ns"] - attached) / 1e9, e["ranks"], e["details"].get("intermittent"))
-                for e in evs if e["kind"] == "diagnosis" and e["cause"] == "computation"]
-
-    t = corpus.truth("preslow-toy3-r1")
-    got = named(corpus.replay("preslow-toy3-r1"), t["attached_ns"])
+    got, late = replayed_with_and_without("preslow-toy3-r1", "STRONG_REL", "intermittent")
     assert got and got[0][0] < 15.0 and got[0][1:] == ([1], True), got
-    saved, X.STRONG_REL = X.STRONG_REL, math.inf
-    try:
-        late = named(corpus.replay("preslow-toy3-r1"), t["attached_ns"])
-    finally:
-        X.STRONG_REL = saved
     assert not late or late[0][0] > 15.0, late
 
 
@@ -277,20 +264,31 @@ def test_a_throttled_rank_whose_excess_understates_its_cost_is_named_when_it_dom
     the iteration, the others waiting for it, and it waiting least more
     often than any other rank) names it within 15 s; without the path it
     was named 38.9 s after the attach."""
+    got, late = replayed_with_and_without("preslow-toy4-r3", "DOMINANT_SHARE", "dominant")
+    assert got and got[0][0] < 15.0 and got[0][1:] == ([3], True), got
+    assert not late or late[0][0] > 15.0, late
+
+
+def replayed_with_and_without(name: str, constant: str, detail: str) -> tuple[list, list]:
+    """The cross-section's computation verdicts on corpus scenario `name`,
+    replayed as it is and with the crosssection module's `constant` at
+    infinity (the path it sets, off): (seconds after the attach, ranks,
+    details[detail]) each."""
     import corpus
     import greyhound_bpf.diagnosis.crosssection as X
 
-    def named(evs, attached):
-        return [((e["time_ns"] - attached) / 1e9, e["ranks"], e["details"].get("dominant"))
-                for e in evs if e["kind"] == "diagnosis" and e["cause"] == "computation"
+    attached = corpus.truth(name)["attached_ns"]
+
+    def named():
+        return [((e["time_ns"] - attached) / 1e9, e["ranks"], e["details"].get(detail))
+                for e in corpus.replay(name) if e["kind"] == "diagnosis"
+                and e["cause"] == "computation"
                 and e["details"].get("method") == "cross-section"]
 
-    t = corpus.truth("preslow-toy4-r3")
-    got = named(corpus.replay("preslow-toy4-r3"), t["attached_ns"])
-    assert got and got[0][0] < 15.0 and got[0][1:] == ([3], True), got
-    saved, X.DOMINANT_SHARE = X.DOMINANT_SHARE, math.inf
+    got = named()
+    saved = getattr(X, constant)
+    setattr(X, constant, math.inf)
     try:
-        late = named(corpus.replay("preslow-toy4-r3"), t["attached_ns"])
+        return got, named()
     finally:
-        X.DOMINANT_SHARE = saved
-    assert not late or late[0][0] > 15.0, late
+        setattr(X, constant, saved)
