@@ -281,7 +281,7 @@ class CrossSection:
             return True, numbers
         # Its excess is no measure of its cost here: the one the others
         # wait for must arrive last more often than any other rank.
-        numbers["dominant"] = bool(numbers["dominant"]) and all(
+        numbers["dominant"] = numbers["dominant"] and all(
             least[s] > v for r, v in least.items() if r != s)
         return numbers["dominant"], numbers
 
@@ -331,17 +331,14 @@ class CrossSection:
         details = {"method": "cross-section", "looks": self.looks,
                    "since_ns": self._streak[0][1], "intermittent": intermittent, **self.last}
         mine = self.last["ranks"][str(s)]["compute_ms"]
-        if intermittent and self.last["dominant"]:
+        if intermittent:
+            least = f"it waits least in {100 * self.last['waits_least']:.0f}% of them"
             how = (f"on average ({mine:.1f} against {mine - excess:.1f} ms, trimmed means "
-                   f"over {self.last['window']} iterations: twice theirs or more; it waits "
-                   f"least in {100 * self.last['waits_least']:.0f}% of them, more than any "
-                   "other: slow inside its collectives too, so its excess understates "
-                   "what it costs)")
-        elif intermittent:
-            how = (f"on average ({mine:.1f} against {mine - excess:.1f} ms, trimmed means "
-                   f"over {self.last['window']} iterations; it waits least in "
-                   f"{100 * self.last['waits_least']:.0f}% of them: slow in bursts, as a "
-                   "container's CPU limit throttles)")
+                   f"over {self.last['window']} iterations" +
+                   (f": twice theirs or more; {least}, more than any other: slow inside "
+                    "its collectives too, so its excess understates what it costs)"
+                    if self.last["dominant"] else
+                    f"; {least}: slow in bursts, as a container's CPU limit throttles)"))
         else:
             how = (f"({mine:.1f} against {mine - excess:.1f} ms, the largest in "
                    f"{100 * self.last['consistent']:.0f}% of its iterations)")
