@@ -198,7 +198,7 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
-                                     "toy_ddp", "gan_ddp"])
+                                     "toy_ddp", "gan_ddp", "join_lstm"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -209,8 +209,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     graph with activation checkpointing and gathered metrics; hybrid sharding
     on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank; the DDP
     tutorial's toy model, a millisecond an iteration; a GAN's two DDP
-    models in turn) stay runnable: 2 ranks (or 4), 6 steps each, every
-    iteration in the truth log."""
+    models in turn; an LSTM language model on uneven shards under DDP's
+    Join) stay runnable: 2 ranks (or 4), 6 steps each (6 epochs of 1 and 2
+    batches for the uneven shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
@@ -224,6 +225,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "pipeline_1f1b": ("--checksums",),
              "toy_ddp": ("--checksums",),
              "gan_ddp": ("--checksums",),
+             "join_lstm": ("--batches", "1", "--extra", "1", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -232,7 +234,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
     rows = read_jsonl(truth)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
-    assert its == [(r, i) for r in range(nproc) for i in range(6)]
+    steps = {r: 6 * (1 + r) if example == "join_lstm" else 6 for r in range(nproc)}
+    assert its == [(r, i) for r in range(nproc) for i in range(steps[r])]
     assert sorted(d["rank"] for d in rows if d.get("final")) == list(range(nproc))
     if example == "checkpoint_eval":
         # Both ranks log the periodic phases at the same steps; rank 0's
@@ -377,3 +380,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert len({mine[0, i]["params_g"] for i in range(6)}) == 6
         assert len({mine[0, i]["params_d"] for i in range(6)}) == 6
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
+    if example == "join_lstm":
+        # Rank 1 trains alone on its second batch of every epoch (rank 0,
+        # out of data, shadows its all-reduces under Join): the replicas
+        # part there, and Join's end of the epoch makes them one again.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        assert [mine[1, i]["epoch"] for i in range(12)] == [e for e in range(6) for _ in "ab"]
+        for e in range(6):
+            assert mine[0, e]["epoch"] == e
+            assert mine[0, e]["params"] == pytest.approx(mine[1, 2 * e]["params"], rel=1e-9), e
+        assert len({mine[1, i]["params"] for i in range(12)}) == 12
+        assert mine[1, 11]["loss"] < mine[1, 0]["loss"]
