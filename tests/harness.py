@@ -40,7 +40,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "pipe": ROOT / "examples" / "pipeline_1f1b.py",
             "toy": ROOT / "examples" / "toy_ddp.py",
             "gan": ROOT / "examples" / "gan_ddp.py",
-            "join": ROOT / "examples" / "join_lstm.py"}
+            "join": ROOT / "examples" / "join_lstm.py",
+            "clip": ROOT / "examples" / "clip_contrastive.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

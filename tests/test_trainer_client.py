@@ -198,7 +198,8 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
                                      "moe_alltoall", "tensor_data_parallel",
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
-                                     "toy_ddp", "gan_ddp", "join_lstm"])
+                                     "toy_ddp", "gan_ddp", "join_lstm",
+                                     "clip_contrastive"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -210,7 +211,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     on a 2 x 2 mesh; a 1F1B pipeline, one stage per rank; the DDP
     tutorial's toy model, a millisecond an iteration; a GAN's two DDP
     models in turn; an LSTM language model on uneven shards under DDP's
-    Join) stay runnable: 2 ranks (or 4), 6 steps each (6 epochs of 1 and 2
+    Join; CLIP-style contrastive training, features all-gathered in the
+    forward) stay runnable: 2 ranks (or 4), 6 steps each (6 epochs of 1 and 2
     batches for the uneven shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -226,6 +228,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "toy_ddp": ("--checksums",),
              "gan_ddp": ("--checksums",),
              "join_lstm": ("--batches", "1", "--extra", "1", "--checksums"),
+             "clip_contrastive": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -391,3 +394,13 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, e]["params"] == pytest.approx(mine[1, 2 * e]["params"], rel=1e-9), e
         assert len({mine[1, i]["params"] for i in range(12)}) == 12
         assert mine[1, 11]["loss"] < mine[1, 0]["loss"]
+    if example == "clip_contrastive":
+        # The replicas stay equal, each rank contrasts its own pairs (its
+        # loss and accuracy its own), and the two encoders learn to match
+        # them.
+        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
+        assert all(mine[r, 5]["loss"] < mine[r, 0]["loss"] for r in range(2))
