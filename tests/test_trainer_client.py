@@ -192,6 +192,14 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
     assert not (tmp_path / "ctl.json.restart").exists()
 
 
+def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
+    """Ranks 0 and 1's checksums `key` equal at each of the 6 steps (their
+    replicas kept in step), and different at every step (they train)."""
+    for i in range(6):
+        assert mine[0, i][key] == pytest.approx(mine[1, i][key], rel=1e-9), (i, key)
+    assert len({mine[0, i][key] for i in range(6)}) == 6, key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
@@ -240,6 +248,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     steps = {r: 6 * (1 + r) if example == "join_lstm" else 6 for r in range(nproc)}
     assert its == [(r, i) for r in range(nproc) for i in range(steps[r])]
     assert sorted(d["rank"] for d in rows if d.get("final")) == list(range(nproc))
+    mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
     if example == "checkpoint_eval":
         # Both ranks log the periodic phases at the same steps; rank 0's
         # last checkpoint is whole (step 5: the second of every 3).
@@ -260,7 +269,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # Several gradient buckets an iteration once DDP has rebuilt them
         # (the first iteration has one), the logging step every 4th, and
         # every rank logs the same mean loss.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert all(mine[r, i]["buckets"] >= 3 for r in range(2) for i in range(1, 6))
         assert [i for i in range(6) if mine[0, i].get("synced")] == [3]
         assert all(mine[0, i]["loss"] == mine[1, i]["loss"] for i in range(6))
@@ -281,7 +289,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # A tensor-parallel pair (0, 1) computes one output: the same loss;
         # the replicas (0 and 2) see their own samples. DDP kept each
         # rank's slices equal to its replica's, and the slices differ.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [(mine[r, 0]["tp_rank"], mine[r, 0]["dp_rank"]) for r in range(4)] == \
             [(0, 0), (1, 0), (0, 1), (1, 1)]
         for i in range(6):
@@ -295,7 +302,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # DDP for the 2 warm-up steps (the replicas stay equal), then local
         # steps: the replicas drift apart on their own samples, and are
         # equal again after every second step's averaging.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [mine[0, i]["averaged"] for i in range(6)] == [False, False, True, False,
                                                                True, False]
         for i in (0, 1, 2, 4):
@@ -307,38 +313,28 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # parameter tensor once, and the broadcasts after each step keep the
         # ranks' parameters equal (the step changes them); the loss is
         # all-reduced every third step.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         shards = [mine[r, 0]["shard"] for r in range(2)]
         assert all(shards) and sum(shards) == mine[0, 0]["tensors"], shards
         assert [i for i in range(6) if mine[0, i]["logged"]] == [2, 5]
-        for i in range(6):
-            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
-        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine)
     if example == "batch_rampup":
         # One micro-batch more every second iteration up to 3, and DDP keeps
         # the replicas equal through the accumulation (and they train).
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [mine[0, i]["microbatches"] for i in range(6)] == [1, 1, 2, 2, 3, 3]
-        for i in range(6):
-            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
-        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine)
     if example == "static_graph":
         # Every third step each rank received every rank's metrics (and on
         # no other step), and DDP's static graph, with the blocks recomputed
         # in backward, keeps the replicas equal as they train.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         for r in range(2):
             assert [mine[r, i]["gathered"] for i in range(6)] == [[], [], [0, 1], [], [],
                                                                    [0, 1]]
-        for i in range(6):
-            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
-        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine)
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
     if example == "hsdp_mesh":
         # A 2 x 2 mesh: the ranks of a replica hold different shards, the
         # same shard in the two replicas stays equal (the all-reduce across
         # them), and the model trains on each rank's own samples.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [(mine[r, 0]["replica"], mine[r, 0]["shard"]) for r in range(4)] == \
             [(0, 0), (0, 1), (1, 0), (1, 1)]
         for i in range(6):
@@ -357,7 +353,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             from pipeline_1f1b import reference
         finally:
             sys.path.remove(str(ROOT / "examples"))
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [(mine[r, 0]["stage"], mine[r, 0]["blocks"]) for r in range(2)] == [(0, 3),
                                                                                  (1, 3)]
         assert all(mine[0, i]["loss"] is None for i in range(6))
@@ -367,27 +362,19 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
     if example == "toy_ddp":
         # DDP keeps the replicas equal as they step on their own samples.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
-        for i in range(6):
-            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
-        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine)
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
     if example == "gan_ddp":
         # Both models' replicas stay equal as they step (the generator's
         # gradients all-reduced through the unsynced discriminator), each
         # rank on its own images, and both models train.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
-        for i in range(6):
-            for m in ("params_g", "params_d"):
-                assert mine[0, i][m] == pytest.approx(mine[1, i][m], rel=1e-9), (i, m)
-        assert len({mine[0, i]["params_g"] for i in range(6)}) == 6
-        assert len({mine[0, i]["params_d"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine, "params_g")
+        assert_replicas_equal_and_training(mine, "params_d")
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
     if example == "join_lstm":
         # Rank 1 trains alone on its second batch of every epoch (rank 0,
         # out of data, shadows its all-reduces under Join): the replicas
         # part there, and Join's end of the epoch makes them one again.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
         assert [mine[1, i]["epoch"] for i in range(12)] == [e for e in range(6) for _ in "ab"]
         for e in range(6):
             assert mine[0, e]["epoch"] == e
@@ -398,9 +385,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # The replicas stay equal, each rank contrasts its own pairs (its
         # loss and accuracy its own), and the two encoders learn to match
         # them.
-        mine = {(d["rank"], d["index"]): d for d in rows if "dur_ns" in d}
-        for i in range(6):
-            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
-        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert_replicas_equal_and_training(mine)
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
         assert all(mine[r, 5]["loss"] < mine[r, 0]["loss"] for r in range(2))
