@@ -278,10 +278,13 @@ def _run_links(tmp_path, bed, redis, tracer, procs):
     assert measured["details"]["untested"] == [], measured["details"]
     assert measured["details"]["paused_s"] <= 5
     assert not [e for e in kind("diagnosis") if e["cause"] == "computation"], story()
-    inj.send_signal(signal.SIGINT)                   # the limit is lifted
+    # The limit is lifted from the signal on: the job's recovery can be
+    # reported before inject has exited (in a CI run at 63a1bf7 it was, and
+    # went unseen while this time was taken after inject's exit).
+    lifted = time.time_ns()
+    inj.send_signal(signal.SIGINT)
     out, _ = inj.communicate(timeout=30)
     assert "undone" in out, out
-    lifted = time.time_ns()
     wait_for(lambda: [e for e in kind("recovery") if e["time_ns"] > lifted
                       and e["scope"] == "job"], 90, "the job back to its speed", interval=0.5,
              why=story)
