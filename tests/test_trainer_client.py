@@ -207,7 +207,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
                                      "toy_ddp", "gan_ddp", "join_lstm",
-                                     "clip_contrastive"])
+                                     "clip_contrastive", "ema_rank0"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -220,8 +220,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     tutorial's toy model, a millisecond an iteration; a GAN's two DDP
     models in turn; an LSTM language model on uneven shards under DDP's
     Join; CLIP-style contrastive training, features all-gathered in the
-    forward) stay runnable: 2 ranks (or 4), 6 steps each (6 epochs of 1 and 2
-    batches for the uneven shards), every iteration in the truth log."""
+    forward; rank 0 alone keeping an EMA of the weights) stay runnable: 2
+    ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
+    shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
                                  "--ckpt-dir", str(tmp_path)),
@@ -237,6 +238,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "gan_ddp": ("--checksums",),
              "join_lstm": ("--batches", "1", "--extra", "1", "--checksums"),
              "clip_contrastive": ("--checksums",),
+             "ema_rank0": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -388,3 +390,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert_replicas_equal_and_training(mine)
         assert mine[0, 0]["loss"] != mine[1, 0]["loss"]
         assert all(mine[r, 5]["loss"] < mine[r, 0]["loss"] for r in range(2))
+    if example == "ema_rank0":
+        # The replicas stay equal; rank 0 alone keeps the moving average,
+        # which trails the model (its decay ramps up from 0: at first it
+        # follows the model closely, never onto it).
+        assert_replicas_equal_and_training(mine)
+        assert all("ema" in mine[0, i] and "ema" not in mine[1, i] for i in range(6))
+        assert len({mine[0, i]["ema"] for i in range(6)}) == 6
+        assert all(mine[0, i]["ema"] != pytest.approx(mine[0, i]["params"], rel=1e-12)
+                   for i in range(6))
