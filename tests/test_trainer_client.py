@@ -207,7 +207,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
                                      "toy_ddp", "gan_ddp", "join_lstm",
-                                     "clip_contrastive", "ema_rank0"])
+                                     "clip_contrastive", "ema_rank0", "compiled_ddp"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -220,7 +220,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     tutorial's toy model, a millisecond an iteration; a GAN's two DDP
     models in turn; an LSTM language model on uneven shards under DDP's
     Join; CLIP-style contrastive training, features all-gathered in the
-    forward; rank 0 alone keeping an EMA of the weights) stay runnable: 2
+    forward; rank 0 alone keeping an EMA of the weights; a DDP model under
+    torch.compile) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -239,6 +240,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "join_lstm": ("--batches", "1", "--extra", "1", "--checksums"),
              "clip_contrastive": ("--checksums",),
              "ema_rank0": ("--checksums",),
+             "compiled_ddp": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -399,3 +401,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert len({mine[0, i]["ema"] for i in range(6)}) == 6
         assert all(mine[0, i]["ema"] != pytest.approx(mine[0, i]["params"], rel=1e-12)
                    for i in range(6))
+    if example == "compiled_ddp":
+        # Dynamo compiled the DDP model on every rank before the first step
+        # ended; the compiled replicas stay equal and learn.
+        assert all(mine[r, i]["graphs"] >= 1 for r in range(2) for i in range(6))
+        assert_replicas_equal_and_training(mine)
+        assert all(mine[r, 5]["loss"] < mine[r, 0]["loss"] for r in range(2))
