@@ -43,7 +43,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "join": ROOT / "examples" / "join_lstm.py",
             "clip": ROOT / "examples" / "clip_contrastive.py",
             "ema": ROOT / "examples" / "ema_rank0.py",
-            "compile": ROOT / "examples" / "compiled_ddp.py"}
+            "compile": ROOT / "examples" / "compiled_ddp.py",
+            "ppo": ROOT / "examples" / "ppo_rollout.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

@@ -207,7 +207,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "local_sgd", "zero_ddp", "batch_rampup",
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
                                      "toy_ddp", "gan_ddp", "join_lstm",
-                                     "clip_contrastive", "ema_rank0", "compiled_ddp"])
+                                     "clip_contrastive", "ema_rank0", "compiled_ddp",
+                                     "ppo_rollout"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -221,7 +222,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     models in turn; an LSTM language model on uneven shards under DDP's
     Join; CLIP-style contrastive training, features all-gathered in the
     forward; rank 0 alone keeping an EMA of the weights; a DDP model under
-    torch.compile) stay runnable: 2
+    torch.compile; PPO's rollouts then minibatch updates) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -241,6 +242,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "clip_contrastive": ("--checksums",),
              "ema_rank0": ("--checksums",),
              "compiled_ddp": ("--checksums",),
+             "ppo_rollout": ("--horizon", "32", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -407,3 +409,13 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert all(mine[r, i]["graphs"] >= 1 for r in range(2) for i in range(6))
         assert_replicas_equal_and_training(mine)
         assert all(mine[r, 5]["loss"] < mine[r, 0]["loss"] for r in range(2))
+    if example == "ppo_rollout":
+        # Each rank rolls out first (a share of the iteration without a
+        # collective), the replicas stay equal under the minibatch updates,
+        # and the episodes' returns are all-reduced (the same on every rank).
+        assert_replicas_equal_and_training(mine)
+        assert all(0 < mine[r, i]["rollout_ns"] < mine[r, i]["dur_ns"]
+                   for r in range(2) for i in range(6))
+        assert [mine[0, i]["return"] for i in range(6)] == [mine[1, i]["return"]
+                                                           for i in range(6)]
+        assert mine[0, 0]["return"] > 1      # a random policy's episodes end within it
