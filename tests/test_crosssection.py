@@ -227,6 +227,28 @@ def test_a_slow_job_is_named_on_the_span_of_its_evidence():
     assert (late[0][1] - attach) / 1e9 > 15.0
 
 
+def test_a_slow_jobs_looks_come_one_iteration_apart():
+    """bench_tries' miss at first contact on examples/ppo_rollout.py,
+    recorded live (tests/fixtures/ppo_r0_before.jsonl: rank 0 at 0.33 of
+    its CPU from before the attach; the job at 1.2-1.3 s per iteration).
+    Its first look (8 iterations over 10 s) came 12.5 s after the attach,
+    and the second, 2 iterations later, at 15.1 s. Once the window alone
+    spans WINDOW_S + MIN_S the looks come one iteration apart: named
+    within 15 s, one iteration sooner."""
+    evs, attach = recorded("ppo_r0_before.jsonl")
+    got = named_at(CrossSection(), evs)
+    assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (0,))]
+    assert (got[0][1] - attach) / 1e9 < 15.0
+
+    class Proportional(CrossSection):
+        def _every(self, lead, n):
+            return max(1, self.every * n // self.window)
+    late = named_at(Proportional(), evs)
+    assert [(v.cause, v.ranks) for v, _ in late] == [("computation", (0,))]
+    assert (late[0][1] - attach) / 1e9 > 15.0
+    assert late[0][1] - got[0][1] > 0.8e9        # one iteration
+
+
 def test_the_hold_needs_a_full_look_first():
     """A rank whose excess stays at the hold's level (under the full bar)
     never starts a streak: the hold only carries one the full bar began."""
