@@ -383,6 +383,21 @@ def test_a_pipeline_stage_period_is_its_step_not_its_micro_batch():
     assert [o.period_calls for o in out if isinstance(o, PatternChange)] == [2]
 
 
+def test_a_throttled_ranks_iterations_are_found_on_its_call_types_not_its_gaps():
+    """tests/scenarios/compute-ppo3-r1 (examples/ppo_rollout.py: 16
+    gradient all-reduces and one of the returns an iteration; rank 1 under
+    a CPU quota for 30 s). Where types alone lock, they are kept: host gaps
+    change when a rank slows. Before, rank 2 locked on gap classes (their
+    anchor scored higher) and lost 10 of its 122 iterations."""
+    import collections
+    import corpus
+    evs = corpus.replay("compute-ppo3-r1")
+    pats = [e for e in evs if e["kind"] == "pattern"]
+    assert pats and not any(e["gap_classes"] for e in pats)
+    its = collections.Counter(e["rank"] for e in evs if e["kind"] == "iteration")
+    assert sorted(its) == [0, 1, 2] and max(its.values()) - min(its.values()) <= 2, its
+
+
 def test_p2p_time_is_the_share_of_comm_spent_in_point_to_point_calls():
     # Mark every other call type point-to-point: each iteration's p2p_ns is
     # the union of those calls' waits inside it, part of comm_ns; with none

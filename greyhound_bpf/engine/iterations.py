@@ -74,9 +74,9 @@ class IterationEstimator:
     1. Period: the ACF of the call-type sequence (one-hot, so type ids are
        nominal) over a sliding window; the period is the smallest lag whose
        peak reaches ``peak_fraction`` of the highest one. When types alone do
-       not repeat (gloo DDP issues one all-reduce type), each call is also
-       tagged by whether it follows a long host gap, which marks the
-       iteration's compute phase. On a rank with point-to-point calls (a
+       not lock (gloo DDP issues one all-reduce type), and only then, each
+       call is also tagged by whether it follows a long host gap, which
+       marks the iteration's compute phase. On a rank with point-to-point calls (a
        pipeline stage) whose window holds collectives, a period that holds
        one less than once in STEP_COLLECTIVE_EVERY periods is a
        micro-batch's, not the step's, and is passed over; a period locked
@@ -257,9 +257,13 @@ class IterationEstimator:
             toks = self._tokens(lo, len(self._types))
             found = self._period_and_anchor(toks, self._gap[lo:], nlags, colls)
             self._gap_thr = None
-            if found and (best is None or found[2] > best[2]):
+            if found:
                 best = (*found, thr)
-            if best and best[2] >= 0.8:
+                # Call types do not change when a rank slows; its host gaps
+                # do (a throttled rank's short gaps turn long at random), so
+                # the types alone are kept whenever they lock at all. Gap
+                # classes preferred on a better anchor score lost up to 13 s
+                # of a throttled PPO rank's iterations (examples/ppo_rollout.py).
                 break
         # Let the window grow before trying again.
         self._try_at = self._seen + max(self.min_calls, n // 4)
