@@ -156,6 +156,8 @@ class CrossSection:
         self.window, self.every, self.looks = window, every, looks
         self.excess, self.rel_excess, self.wait_share = excess, rel_excess, wait_share
         self.consistent, self.min_ns = consistent, int(min_s * 1e9)
+        # The span a slow job's evidence needs (module docstring).
+        self.slow_span_ns = self.min_ns + int(WINDOW_S * 1e9)
         self.rows: dict[int, deque] = {}      # rank -> (start_ns, end_ns, dur, compute, comm)
         self._since_look = 0
         self._streak: list[tuple[int, int, int]] = []  # (suspect, look time, its
@@ -210,7 +212,7 @@ class CrossSection:
         a shorter one; or 1 where the window alone spans WINDOW_S + MIN_S
         (a slow job, whose verdict's second look needs no more span, only
         one more iteration that still shows the straggler)."""
-        if lead[-1][1] - lead[-n][0] >= self.min_ns + WINDOW_S * 1e9:
+        if lead[-1][1] - lead[-n][0] >= self.slow_span_ns:
             return 1
         return max(1, self.every * n // self.window)
 
@@ -305,7 +307,7 @@ class CrossSection:
         first, t = self._streak[0], self._streak[-1][1]
         if len(self._streak) >= self.looks and t - first[1] >= self.min_ns:
             return True
-        return len(self._streak) >= 2 and t - first[2] >= self.min_ns + int(WINDOW_S * 1e9)
+        return len(self._streak) >= 2 and t - first[2] >= self.slow_span_ns
 
     def _look(self, ev: dict, n: int) -> list[Diagnosis]:
         win = self._window_rows(n)
