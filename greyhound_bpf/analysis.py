@@ -303,7 +303,8 @@ class JobAnalysis:
         self.pipeline.add_rank(inp.key, r.rank if r else None)
         # (Fields an older agent or recording lacks take the record's default.)
         items = [IterationRecord(r.rank if r else None,
-                                 **{k: int(d[k]) for k in ITERATION_FIELDS if k in d})
+                                 **{k: tuple(map(int, d[k])) if k == "arrivals" else int(d[k])
+                                    for k in ITERATION_FIELDS if k in d})
                  for d in inp.items
                  if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))

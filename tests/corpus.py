@@ -91,7 +91,7 @@ def iterations_by_rank(events: list[dict]) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for e in events:
         if e["kind"] == "iteration":
-            out.setdefault(e["rank"], []).append({k: e[k] for k in ITERATION_FIELDS})
+            out.setdefault(e["rank"], []).append({k: e[k] for k in ITERATION_FIELDS if k in e})
     return out
 
 

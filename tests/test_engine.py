@@ -420,6 +420,31 @@ def test_p2p_time_is_the_share_of_comm_spent_in_point_to_point_calls():
         IterationEstimator().feed(cs.types, cs.start_ns, cs.dur_ns, cs.blocking, p2p[:-1])
 
 
+
+def test_a_long_iterations_collectives_go_with_it_and_a_short_ones_do_not():
+    # Mark every third call type a collective. At 400 ms an iteration each
+    # record carries those calls' (start, end) in µs from its start, in
+    # order, the last of them ending inside it; at 100 ms none does.
+    for iter_ms, carried in ((400.0, True), (100.0, False)):
+        cs = call_stream(6, n_iter=80, iter_ms=iter_ms, seed=1)
+        coll = cs.types % 3 == 0
+        out = IterationEstimator().feed(cs.types, cs.start_ns, cs.dur_ns, cs.blocking,
+                                        collective=coll)
+        recs = [o for o in out if isinstance(o, IterationRecord)]
+        assert len(recs) > 60
+        if not carried:
+            assert all(r.arrivals == () and "arrivals" not in r.fields() for r in recs)
+            continue
+        ends = cs.start_ns + cs.dur_ns
+        for r in recs[::10]:
+            pairs = np.reshape(r.arrivals, (-1, 2)) * 1000 + r.start_ns
+            assert len(pairs) == len(r.fields()["arrivals"]) // 2 > 0
+            mine = [(s, e) for s, e, c in zip(cs.start_ns, ends, coll)
+                    if c and r.start_ns - 1e9 < s and e <= r.start_ns + r.dur_ns]
+            for s, e in pairs:                    # each one a collective call, to the µs
+                assert any(abs(s - s0) < 1000 and abs(e - e0) < 1000 for s0, e0 in mine)
+            assert list(pairs[:, 0]) == sorted(pairs[:, 0])
+
 # -- the job's pace ---------------------------------------------------------------
 
 def test_the_job_detector_reads_the_leaders_pace():

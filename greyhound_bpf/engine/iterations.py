@@ -23,6 +23,13 @@ ONE_CALL_MIN_CALLS = 48
 # receives in strict turn: period 2, at ACF 0.9, where its step is 25
 # calls; examples/pipeline_1f1b.py, held out at first, was missed so).
 STEP_COLLECTIVE_EVERY = 2
+# Each collective's start and end go with an iteration (`arrivals`) where the
+# iteration lasts this long: the cross-section reads who arrived last at
+# each collective where a job's iterations are too few for its usual
+# window (over WINDOW_S / MIN_WINDOW, 375 ms; diagnosis/crosssection.py),
+# and a faster job's events stay small. At most ARRIVALS_MAX of them.
+ARRIVALS_FROM_NS = 300_000_000
+ARRIVALS_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -36,12 +43,18 @@ class IterationRecord:
     compute_ns: int      # dur_ns - comm_ns
     p2p_ns: int = 0      # of comm_ns, inside point-to-point calls (a pipeline's sends)
     period: int = 0      # the pattern's period in calls (0: not known, older recordings)
+    # Its collectives' (start, end) in µs from start_ns, flat: s0, e0, s1, e1...
+    # (empty: a short iteration, or none; see ARRIVALS_FROM_NS)
+    arrivals: tuple[int, ...] = ()
 
     def fields(self) -> dict:
-        return {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
-                "dur_ns": self.dur_ns, "period_calls": self.period_calls,
-                "comm_ns": self.comm_ns, "compute_ns": self.compute_ns,
-                "p2p_ns": self.p2p_ns, "period": self.period}
+        out = {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
+               "dur_ns": self.dur_ns, "period_calls": self.period_calls,
+               "comm_ns": self.comm_ns, "compute_ns": self.compute_ns,
+               "p2p_ns": self.p2p_ns, "period": self.period}
+        if self.arrivals:
+            out["arrivals"] = list(self.arrivals)
+        return out
 
 
 # What a node's agent publishes of each iteration (its rank is the key):
@@ -387,8 +400,13 @@ class IterationEstimator:
         comm = min(int(_kernels.union_ns(s_, e_)), dur)
         pp = self._p2p[a:b][sel]
         p2p = min(int(_kernels.union_ns(s_[pp], e_[pp])), comm)
+        arrivals: tuple[int, ...] = ()
+        if dur >= ARRIVALS_FROM_NS:
+            co = (self._coll[a:b] & self._block[a:b] & ~self._p2p[a:b]).nonzero()[0][:ARRIVALS_MAX]
+            pairs = np.stack([self._start[a:b][co], self._end[a:b][co]], axis=1)
+            arrivals = tuple(((pairs.ravel() - start) // 1000).tolist())
         return IterationRecord(self.rank, self.index, start, dur, b - a, comm, dur - comm, p2p,
-                               self.period)
+                               self.period, arrivals)
 
     def _trim(self) -> None:
         keep_from = len(self._types) - self.window
