@@ -314,3 +314,80 @@ def replayed_with_and_without(name: str, constant: str, detail: str) -> tuple[li
         return got, named()
     finally:
         setattr(X, constant, saved)
+
+
+def feed_arrivals(xs, iterations, slow, ncoll=12, last=None, seed=0, dur=1_200_000_000):
+    """A slow job (`dur`, 1.2 s an iteration) whose iterations carry their
+    collectives' arrivals (events.md): rank `slow` computes 0.5 s more
+    before each of `ncoll` all-reduces, which the others wait out; the
+    rank arriving last at collective k is `last(k)` (the slow one by
+    default), and leaves a ring's all-reduce 3 ms after the others.
+    Returns (verdict, the iteration's end) pairs."""
+    rnd = random.Random(seed)
+    ranks = (0, 1, 2)
+    step = dur // ncoll                               # ns per collective
+    out, t = [], 0
+    for i in range(iterations):
+        arr = {r: [] for r in ranks}
+        for k in range(ncoll):
+            first = last(k) if last else slow
+            at = {r: t + k * step + int(step * (0.9 if r == first else rnd.uniform(0.1, 0.5)))
+                  for r in ranks}
+            end = t + (k + 1) * step - 1_000_000
+            for r in ranks:
+                arr[r] += [(at[r] - t) // 1000, (end + 3_000_000 * (r == first) - t) // 1000]
+        for r in ranks:
+            comp = dur * (0.6 if r == slow else 0.2) * rnd.uniform(0.97, 1.03)
+            for v in xs.observe({"kind": "iteration", "rank": r, "index": i, "start_ns": t,
+                                 "dur_ns": dur, "compute_ns": int(comp),
+                                 "comm_ns": int(dur - comp), "arrivals": arr[r]}):
+                out.append((v, t + dur))
+        t += dur
+    return out
+
+
+def test_a_slow_job_is_named_early_on_who_arrives_last_at_its_collectives():
+    """A job at 1.2 s an iteration, rank 1 the straggler from the start:
+    8 iterations (MIN_WINDOW) take 9.6 s, then looks over 3 s more. Its
+    12 collectives an iteration, each rank 1 arrives at last (and leaves
+    later), name it on early looks: the verdict's arrivals say so."""
+    got = feed_arrivals(CrossSection(), 12, slow=1)
+    assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (1,))]
+    v, at = got[0]
+    assert at <= 6 * 1_200_000_000                   # the 6th iteration, not the 10th
+    assert v.details["arrivals"]["last_share"] == 1.0
+    assert v.details["arrivals"]["collectives"] >= 24
+
+
+def test_a_job_at_seconds_an_iteration_is_named_on_two_of_them_past_the_first():
+    """4 s an iteration (a large model's step): one iteration spans
+    WINDOW_S, but an early look takes FEW_WINDOW of them, and the verdict
+    two looks whose evidence spans WINDOW_S + MIN_S: the 3rd iteration."""
+    dur = 4_000_000_000
+    got = feed_arrivals(CrossSection(), 6, slow=2, ncoll=30, dur=dur)
+    assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (2,))]
+    assert got[0][1] == 3 * dur and got[0][0].details["arrivals"]["collectives"] >= 24
+
+
+def test_an_early_look_needs_the_straggler_last_at_its_collectives():
+    """The same compute, but the rank arriving last takes turns (a host
+    that deschedules ranks in turn at each collective, or a rank that only
+    computes longer outside them): no early verdict. The usual window,
+    once there are MIN_WINDOW iterations, still names rank 1 on its
+    compute and the others' wait."""
+    got = feed_arrivals(CrossSection(), 14, slow=1, last=lambda k: k % 3)
+    assert [(v.cause, v.ranks) for v, _ in got] == [("computation", (1,))]
+    assert got[0][1] > 8 * 1_200_000_000
+    assert "arrivals" not in got[0][0].details
+
+
+def test_a_job_already_slow_at_attach_is_named_early_on_its_collectives():
+    """tests/scenarios/preslow-ppo3-r2 (tune): PPO at 1.0-1.2 s an iteration
+    under rank 2's quota, from before the attach, 17 all-reduces an
+    iteration. Named on early looks (rank 2 last at 0.85-0.94 of them) 10.1
+    s after the attach; without them (LAST_SHARE at infinity) at 12.6 s,
+    on the usual window."""
+    got, late = replayed_with_and_without("preslow-ppo3-r2", "LAST_SHARE", "arrivals")
+    assert got and got[0][1] == [2] and got[0][2]["last_share"] >= 0.8, got
+    assert late and late[0][1] == [2] and late[0][2] is None, late
+    assert late[0][0] - got[0][0] > 1.0

@@ -45,6 +45,18 @@ once the window alone spans that, its looks come one iteration apart (the
 second look adds no span, only an iteration: 9 in all, where 2 apart
 took 10, at 1.2-1.5 s each past 15 s).
 
+Right after an attach such a job has too few iterations for MIN_WINDOW
+(8 of them take 3-12 s at 0.4-1.5 s each). Its iterations carry their
+collectives' arrivals (engine/iterations.py), and until the lowest rank
+has a whole window, each of its iterations brings an *early* look over
+the iterations spanning WINDOW_S (FEW_WINDOW at least) that passes only
+where, besides the tests below, the suspect arrived last at LAST_SHARE
+or more of its collectives, MIN_ARRIVALS at least matched across the
+ranks: many samples per iteration where the iterations are few (each
+collective waits for the last rank to arrive; a rank descheduled for a
+moment is last at a few). The verdict still needs the evidence to last,
+as any other (`looks` looks over MIN_S, or two spanning WINDOW_S + MIN_S).
+
 An *intermittent* straggler fails the medians and the consistency above
 while costing the job as much: a rank whose container CPU limit throttles
 it over the kernel's 100 ms period (Docker's --cpus, Kubernetes' limits)
@@ -115,6 +127,19 @@ HOLD = 0.8
 # the tune split's healthy stretches keep under the bars above.
 WINDOW_S = 3.0
 MIN_WINDOW = 8
+# The early look, set on the tune split: over its recordings' 3 s windows a
+# healthy rank arrived last at 0.71 of the collectives at most (0.92 for a
+# pipeline's first stage, whose compute and waits the other tests reject),
+# a straggler under a CPU quota at 0.39-1.0, PPO's (17 collectives an
+# iteration) at 0.75-0.91. Forced onto every healthy stretch at 2-3
+# iterations (every iteration carrying arrivals), 236-708 looks passed the
+# other tests and none of them this one; of PPO's straggler looks 23 of 56
+# and 29 of 31 did. About two thirds of PPO's collectives are matched (the
+# rest do not hold one instant across the ranks, as one collective's calls
+# must, and are left out): 24 is two iterations' worth of the matched.
+FEW_WINDOW = 2
+LAST_SHARE = 0.8
+MIN_ARRIVALS = 24
 # The intermittent test, set on the tune split: over its 6 s windows the
 # healthy stretches' trimmed-mean excess / iteration reached 0.18 (max of
 # 1,046 looks; relative excess 0.35), the 100 ms-period quota's straggler
@@ -194,15 +219,24 @@ class CrossSection:
         if q is None:
             q = self.rows[rank] = deque(maxlen=4 * self.window)
             self._lowest = min(self.rows)       # (asked for every rank's every iteration)
+        a = ev.get("arrivals") or ()
         q.append((ev["start_ns"], ev["start_ns"] + ev["dur_ns"], ev["dur_ns"] / 1e6,
-                  ev["compute_ns"] / 1e6, ev["comm_ns"] / 1e6))
+                  ev["compute_ns"] / 1e6, ev["comm_ns"] / 1e6,
+                  tuple((ev["start_ns"] + 1000 * a[i], ev["start_ns"] + 1000 * a[i + 1])
+                        for i in range(0, len(a) - 1, 2))))
         if rank != self._lowest:
             return []
         self._since_look += 1
         lead = self.rows[rank]
         n = self._window(lead)
-        if (len(lead) < n or self._since_look < self._every(lead, n)
-                or len(self.rows) < 2):
+        if len(lead) < n:
+            # Too few iterations for a look yet: an early one, if they
+            # carry their collectives' arrivals.
+            n = self._early(lead)
+            if n is None or len(lead) < n or len(self.rows) < 2:
+                return []
+            return self._look(ev, n)
+        if self._since_look < self._every(lead, n) or len(self.rows) < 2:
             return []
         self._since_look = 0
         return self._look(ev, n)
@@ -223,6 +257,15 @@ class CrossSection:
             return self.window
         return max(min(self.window, MIN_WINDOW), min(self.window, n))
 
+    def _early(self, lead: deque) -> int | None:
+        """Iterations per early look, before a job too slow for MIN_WINDOW
+        iterations has them: the ones spanning WINDOW_S, at least
+        FEW_WINDOW; None where its latest iterations do not carry their
+        collectives' arrivals (short ones: no early look)."""
+        if len(lead) < FEW_WINDOW or not all(x[5] for x in list(lead)[-FEW_WINDOW:]):
+            return None
+        return max(FEW_WINDOW, _spanning(lead, WINDOW_S, FEW_WINDOW))
+
     def _window_rows(self, n: int) -> dict[int, list] | None:
         """Every rank's iterations over the lowest rank's latest `n`, or
         None when a rank is missing from it (exited, not locked)."""
@@ -230,7 +273,7 @@ class CrossSection:
         lo, hi = lead[-n][0], lead[-1][1]
         win = {r: [x for x in q if x[0] >= lo and x[1] <= hi + (hi - lo) // n]
                for r, q in self.rows.items()}
-        return None if any(len(w) < n // 2 for w in win.values()) else win
+        return None if any(len(w) < max(1, n // 2) for w in win.values()) else win
 
     def _scale(self, win: dict) -> dict[int, float]:
         if self._work and all(r in self._work for r in win):
@@ -326,6 +369,11 @@ class CrossSection:
                 ok, numbers = self._intermittent(wide)
                 if ok:
                     last, intermittent = numbers, True
+        if ok and n < MIN_WINDOW:
+            # Too few iterations alone: who arrived last at each collective.
+            share, count = _arrivals(self.rows, n, self._lowest, last["suspect"])
+            last["arrivals"] = {"last_share": round(share, 3), "collectives": count}
+            ok = share >= LAST_SHARE and count >= MIN_ARRIVALS
         self.last = last
         s, excess = last["suspect"], last["excess_ms"]
         t = ev["start_ns"] + ev["dur_ns"]
@@ -364,13 +412,53 @@ class CrossSection:
                           ev.get("index"), (s,), details=details)]
 
 
-def _spanning(lead: deque, seconds: float) -> int | None:
+def _spanning(lead: deque, seconds: float, floor: int = MIN_WINDOW) -> int | None:
     """How many iterations span `seconds` at the lowest rank's recent pace
-    (None before MIN_WINDOW iterations)."""
+    (its latest MIN_WINDOW iterations; None before `floor` of them)."""
     recent = [x[2] for x in list(lead)[-MIN_WINDOW:]]
-    if len(recent) < MIN_WINDOW:
+    if len(recent) < floor:
         return None
     return math.ceil(seconds * 1e3 / max(statistics.median(recent), 1e-3))
+
+
+def _arrivals(rows: dict, n: int, lead: int, s: int) -> tuple[float, int]:
+    """Over the lead rank's collectives in its latest `n` iterations, each
+    with every other rank's same collective: the share in which rank s
+    started last (arrived last: the one the others waited for), and how
+    many were matched. Every rank issues its collectives in one order, so
+    the k-th of one is the (k + offset)-th of another; the offset is the
+    one under which most pairs overlap in time (none can leave a collective
+    before the last one enters, whatever their ends: a throttled rank
+    leaves a ring's all-reduce milliseconds after the others). A
+    collective counts where all its calls hold that instant."""
+    calls = {r: sorted(c for x in (list(q)[-n:] if r == lead else q) for c in x[5])
+             for r, q in rows.items()}
+    mine = calls[lead]
+    aligned = {lead: mine}
+    for r, theirs in calls.items():
+        if r == lead:
+            continue
+        offsets = {j - i for i, c in enumerate(mine[:4]) for j, d in enumerate(theirs)
+                   if _overlap(c, d)}
+        if not offsets:
+            return 0.0, 0
+        best = max(sorted(offsets), key=lambda k: sum(
+            0 <= i + k < len(theirs) and _overlap(c, theirs[i + k]) for i, c in enumerate(mine)))
+        aligned[r] = [theirs[i + best] if 0 <= i + best < len(theirs) else None
+                      for i in range(len(mine))]
+    matched = last = 0
+    for i in range(len(mine)):
+        group = {r: a[i] for r, a in aligned.items()}
+        if any(c is None for c in group.values()):
+            continue
+        if max(c[0] for c in group.values()) <= min(c[1] for c in group.values()):
+            matched += 1
+            last += max(group, key=lambda r: group[r][0]) == s
+    return (last / matched if matched else 0.0), matched
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return max(a[0], b[0]) <= min(a[1], b[1])
 
 
 def _trimmed_mean(values: list[float]) -> float:
