@@ -208,7 +208,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
                                      "toy_ddp", "gan_ddp", "join_lstm",
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
-                                     "ppo_rollout"])
+                                     "ppo_rollout", "vit_checkpoint"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -222,7 +222,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     models in turn; an LSTM language model on uneven shards under DDP's
     Join; CLIP-style contrastive training, features all-gathered in the
     forward; rank 0 alone keeping an EMA of the weights; a DDP model under
-    torch.compile; PPO's rollouts then minibatch updates) stay runnable: 2
+    torch.compile; PPO's rollouts then minibatch updates; a vision
+    transformer with activation checkpointing) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -243,6 +244,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "ema_rank0": ("--checksums",),
              "compiled_ddp": ("--checksums",),
              "ppo_rollout": ("--horizon", "32", "--checksums"),
+             "vit_checkpoint": ("--batch", "2", "--log-every", "3", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -419,3 +421,11 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[0, i]["return"] for i in range(6)] == [mine[1, i]["return"]
                                                            for i in range(6)]
         assert mine[0, 0]["return"] > 1      # a random policy's episodes end within it
+    if example == "vit_checkpoint":
+        # The checkpointed replicas stay equal and learn; the loss all-reduced
+        # for the log (steps 2 and 5) is the ranks' mean, the same on each.
+        assert_replicas_equal_and_training(mine)
+        assert [mine[r, i]["logged_loss"] for r in range(2) for i in (0, 1)] == [None] * 4
+        for i in (2, 5):
+            assert mine[0, i]["logged_loss"] == mine[1, i]["logged_loss"] == pytest.approx(
+                (mine[0, i]["loss"] + mine[1, i]["loss"]) / 2, abs=1e-3)
