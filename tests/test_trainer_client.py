@@ -208,7 +208,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "static_graph", "hsdp_mesh", "pipeline_1f1b",
                                      "toy_ddp", "gan_ddp", "join_lstm",
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
-                                     "ppo_rollout", "vit_checkpoint"])
+                                     "ppo_rollout", "vit_checkpoint",
+                                     "multitask_unused"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -223,7 +224,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     Join; CLIP-style contrastive training, features all-gathered in the
     forward; rank 0 alone keeping an EMA of the weights; a DDP model under
     torch.compile; PPO's rollouts then minibatch updates; a vision
-    transformer with activation checkpointing) stay runnable: 2
+    transformer with activation checkpointing; two tasks in turn under
+    find_unused_parameters) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -245,6 +247,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "compiled_ddp": ("--checksums",),
              "ppo_rollout": ("--horizon", "32", "--checksums"),
              "vit_checkpoint": ("--batch", "2", "--log-every", "3", "--checksums"),
+             "multitask_unused": ("--log-every", "3", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -429,3 +432,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         for i in (2, 5):
             assert mine[0, i]["logged_loss"] == mine[1, i]["logged_loss"] == pytest.approx(
                 (mine[0, i]["loss"] + mine[1, i]["loss"]) / 2, abs=1e-3)
+    if example == "multitask_unused":
+        # The tasks take turns; the replicas stay equal although each step
+        # leaves one head unused (DDP finds it), and the logged losses are
+        # the ranks' means, the same on each.
+        assert_replicas_equal_and_training(mine)
+        assert [mine[0, i]["task"] for i in range(6)] == ["classify", "regress"] * 3
+        assert mine[0, 2]["logged"] == mine[1, 2]["logged"] == pytest.approx(
+            [(mine[0, 2 - i]["loss"] + mine[1, 2 - i]["loss"]) / 2
+             for i in range(2)], abs=1e-5)    # classify at step 2, regress at 1
