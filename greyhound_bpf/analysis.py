@@ -28,7 +28,7 @@ from .diagnosis.rules import Result, decide, edges_of
 from .diagnosis.verdict import Diagnosis
 from .engine.activity import ActivityLog
 from .engine.detector import MIN_PROBABILITY, SLOWDOWN_THRESHOLD
-from .engine.iterations import ITERATION_FIELDS, IterationRecord
+from .engine.iterations import IterationRecord
 from .engine.pipeline import JobPipeline
 from .engine.topology import Topology
 from .events import make_event
@@ -301,10 +301,7 @@ class JobAnalysis:
     def _iterations(self, inp: Iterations) -> list[dict]:
         r = self.ranks.get(inp.key)
         self.pipeline.add_rank(inp.key, r.rank if r else None)
-        # (Fields an older agent or recording lacks take the record's default.)
-        items = [IterationRecord(r.rank if r else None,
-                                 **{k: tuple(map(int, d[k])) if k == "arrivals" else int(d[k])
-                                    for k in ITERATION_FIELDS if k in d})
+        items = [IterationRecord.from_fields(r.rank if r else None, d)
                  for d in inp.items
                  if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))

@@ -56,6 +56,13 @@ class IterationRecord:
             out["arrivals"] = list(self.arrivals)
         return out
 
+    @classmethod
+    def from_fields(cls, rank: int | None, d: dict) -> "IterationRecord":
+        """The record `fields()` (or an agent's item of ITERATION_FIELDS)
+        wrote; a field an older agent or recording lacks takes its default."""
+        return cls(rank, **{k: tuple(map(int, d[k])) if k == "arrivals" else int(d[k])
+                            for k in ITERATION_FIELDS if k in d})
+
 
 # What a node's agent publishes of each iteration (its rank is the key):
 # all of it, so that the controller's analysis reads what the agent's did.
