@@ -219,26 +219,25 @@ class CrossSection:
         if q is None:
             q = self.rows[rank] = deque(maxlen=4 * self.window)
             self._lowest = min(self.rows)       # (asked for every rank's every iteration)
-        a = ev.get("arrivals") or ()
         q.append((ev["start_ns"], ev["start_ns"] + ev["dur_ns"], ev["dur_ns"] / 1e6,
-                  ev["compute_ns"] / 1e6, ev["comm_ns"] / 1e6,
-                  tuple((ev["start_ns"] + 1000 * a[i], ev["start_ns"] + 1000 * a[i + 1])
-                        for i in range(0, len(a) - 1, 2))))
+                  ev["compute_ns"] / 1e6, ev["comm_ns"] / 1e6, _pairs(ev)))
         if rank != self._lowest:
             return []
         self._since_look += 1
+        if len(self.rows) < 2:
+            return []
         lead = self.rows[rank]
         n = self._window(lead)
         if len(lead) < n:
             # Too few iterations for a look yet: an early one, if they
-            # carry their collectives' arrivals.
+            # carry their collectives' arrivals (no cadence: each one).
             n = self._early(lead)
-            if n is None or len(lead) < n or len(self.rows) < 2:
+            if n is None or len(lead) < n:
                 return []
-            return self._look(ev, n)
-        if self._since_look < self._every(lead, n) or len(self.rows) < 2:
+        elif self._since_look < self._every(lead, n):
             return []
-        self._since_look = 0
+        else:
+            self._since_look = 0
         return self._look(ev, n)
 
     def _every(self, lead: deque, n: int) -> int:
@@ -419,6 +418,16 @@ def _spanning(lead: deque, seconds: float, floor: int = MIN_WINDOW) -> int | Non
     if len(recent) < floor:
         return None
     return math.ceil(seconds * 1e3 / max(statistics.median(recent), 1e-3))
+
+
+def _pairs(ev: dict) -> tuple:
+    """The iteration's collectives as (start_ns, end_ns) pairs (its flat
+    `arrivals`, µs from its start); () for a short iteration, at no cost."""
+    a = ev.get("arrivals")
+    if not a:
+        return ()
+    t = ev["start_ns"]
+    return tuple((t + 1000 * a[i], t + 1000 * a[i + 1]) for i in range(0, len(a) - 1, 2))
 
 
 def _arrivals(rows: dict, n: int, lead: int, s: int) -> tuple[float, int]:
