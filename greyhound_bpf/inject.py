@@ -28,7 +28,8 @@ from pathlib import Path
 
 from . import GreyhoundError
 from .diagnosis.cpu import (IDLE_PREFIX, CpuController, _cgroup_mounts, _words,  # noqa: F401
-                             cgroup_path, cpu_controller, idle_group_owner_alive)
+                             cgroup_path, cpu_controller, idle_group_owner_alive,
+                             move_out_and_remove)
 from .probe.discovery import threads_of
 
 STATE_DIR = Path(os.environ.get("GREYHOUND_STATE_DIR", "/run/greyhound/inject"))
@@ -142,7 +143,7 @@ class CpuQuota:
             return
         back = self._origin if self._origin and self._origin.exists() else self.ctl.root
         if self.ctl.version == 1:
-            _empty_group(self.group, back)
+            move_out_and_remove(self.group, back)
         else:
             _release_v2(self.group, back, self._enabled)
         _drop_state(self.name)
@@ -170,15 +171,6 @@ def leftover_groups() -> list[Path]:
                   if not (g.name.startswith(IDLE_PREFIX) and idle_group_owner_alive(g)))
 
 
-def _empty_group(group: Path, back: Path) -> None:
-    for tid in (group / "tasks").read_text().split():
-        try:
-            (back / "tasks").write_text(tid)
-        except OSError:
-            pass   # exited meanwhile
-    group.rmdir()
-
-
 def _release_v2(group: Path, back: Path, enabled: Path | None) -> None:
     """Processes back to `back`, the group removed, and +cpu turned off
     where we turned it on once no group of ours needs it there. A cgroup
@@ -194,12 +186,7 @@ def _release_v2(group: Path, back: Path, enabled: Path | None) -> None:
                 pass   # someone below enabled it meanwhile: leave it on
     if enabled == back:
         off()
-    for pid in _words(group / "cgroup.procs"):
-        try:
-            (back / "cgroup.procs").write_text(pid)
-        except OSError:
-            pass       # exited meanwhile
-    group.rmdir()
+    move_out_and_remove(group, back)
     if enabled != back:
         off()
 
@@ -363,7 +350,7 @@ def undo_all() -> list[str]:
         origin = origin if origin.exists() else group.parent
         try:
             if (group / "tasks").exists():
-                _empty_group(group, origin)
+                move_out_and_remove(group, origin)
             else:
                 _release_v2(group, origin, Path(st["enabled"]) if st.get("enabled") else None)
             done.append(f"cgroup {group}")

@@ -209,3 +209,29 @@ def test_every_injection_has_a_limit():
                                                                  "--rate", "1mbit"],
                   ["gpu-clock", "--gpu", "0", "--mhz", "900"]):
         assert build_parser().parse_args(["inject", *fault]).seconds == INJECT_DEFAULT_S > 0
+
+
+THREAD_CHURN = """
+import threading, time
+while True:
+    threading.Thread(target=time.sleep, args=(0.002,)).start()
+"""
+
+
+def test_a_rank_starting_threads_all_the_time_is_released():
+    """A training process starts threads all the time (DataLoader pin
+    threads, autograd, gloo), and a new thread is born in its parent's group:
+    one pass over the group's members can leave one behind. The quota is
+    still undone, the group removed and the process back where it was."""
+    from greyhound_bpf.inject import CpuQuota
+    p = subprocess.Popen(["python3", "-c", THREAD_CHURN])
+    try:
+        home, before = group_of(p.pid), leftover_groups()
+        for _ in range(200):
+            with CpuQuota(p.pid, 0.5):
+                assert "greyhound-" in group_of(p.pid)
+            assert group_of(p.pid) == home and leftover_groups() == before
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()

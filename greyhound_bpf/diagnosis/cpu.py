@@ -5,8 +5,10 @@ background. Standard library only: the command line enters the background
 before it imports anything heavy."""
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,14 +231,31 @@ class IdleGroup:
         _empty_into(self.path, self.ctl.root)
 
 
-def _empty_into(group: Path, dest: Path) -> None:
-    for pid in _words(group / "cgroup.procs"):
+def move_out_and_remove(group: Path, dest: Path, wait_s: float = 2.0) -> None:
+    """Every member of `group` into `dest`, then the group removed. A rank
+    starts threads all the time and a new one is born in its parent's group,
+    so one pass can leave a thread behind and rmdir answers EBUSY: pass
+    again until the group is empty or `wait_s` is up (then the error)."""
+    members = "tasks" if (group / "tasks").exists() else "cgroup.procs"
+    deadline = time.monotonic() + wait_s
+    while True:
+        for tid in _words(group / members):
+            try:
+                (dest / members).write_text(tid)
+            except OSError:
+                pass   # exited meanwhile
         try:
-            (dest / "cgroup.procs").write_text(pid)
-        except OSError:
-            pass
+            group.rmdir()
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
+def _empty_into(group: Path, dest: Path) -> None:
     try:
-        group.rmdir()
+        move_out_and_remove(group, dest)
     except OSError:
         pass
 
