@@ -209,7 +209,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "toy_ddp", "gan_ddp", "join_lstm",
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
                                      "ppo_rollout", "vit_checkpoint",
-                                     "multitask_unused", "manual_allreduce"])
+                                     "multitask_unused", "manual_allreduce",
+                                     "sparse_recsys"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -226,7 +227,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     torch.compile; PPO's rollouts then minibatch updates; a vision
     transformer with activation checkpointing; two tasks in turn under
     find_unused_parameters; gradients averaged by hand, an all-reduce per
-    parameter) stay runnable: 2
+    parameter; a recommender's sparse embedding gradients) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -250,6 +251,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "vit_checkpoint": ("--batch", "2", "--log-every", "3", "--checksums"),
              "multitask_unused": ("--log-every", "3", "--checksums"),
              "manual_allreduce": ("--epoch", "3", "--checksums"),
+             "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
+                               "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -450,3 +453,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert mine[0, 1]["epoch_loss"] is None
         assert mine[0, 2]["epoch_loss"] == mine[1, 2]["epoch_loss"] == pytest.approx(
             sum(mine[r, i]["loss"] for r in range(2) for i in range(3)) / 6, abs=1e-5)
+    if example == "sparse_recsys":
+        # The tables' sparse gradients, gathered from every rank, keep the
+        # replicas equal; the hit rate (step 2, every rank's users) is one.
+        assert_replicas_equal_and_training(mine)
+        assert mine[0, 1]["hit_rate"] is None
+        assert mine[0, 2]["hit_rate"] == mine[1, 2]["hit_rate"]
+        assert 0 <= mine[0, 2]["hit_rate"] <= 1
