@@ -210,7 +210,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
                                      "ppo_rollout", "vit_checkpoint",
                                      "multitask_unused", "manual_allreduce",
-                                     "sparse_recsys"])
+                                     "sparse_recsys", "gossip_sgd"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -227,7 +227,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     torch.compile; PPO's rollouts then minibatch updates; a vision
     transformer with activation checkpointing; two tasks in turn under
     find_unused_parameters; gradients averaged by hand, an all-reduce per
-    parameter; a recommender's sparse embedding gradients) stay runnable: 2
+    parameter; a recommender's sparse embedding gradients; decentralized
+    SGD, parameters averaged with ring neighbours) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -251,6 +252,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "vit_checkpoint": ("--batch", "2", "--log-every", "3", "--checksums"),
              "multitask_unused": ("--log-every", "3", "--checksums"),
              "manual_allreduce": ("--epoch", "3", "--checksums"),
+             "gossip_sgd": ("--log-every", "3", "--checksums"),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -460,3 +462,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert mine[0, 1]["hit_rate"] is None
         assert mine[0, 2]["hit_rate"] == mine[1, 2]["hit_rate"]
         assert 0 <= mine[0, 2]["hit_rate"] <= 1
+    if example == "gossip_sgd":
+        # No all-reduce of gradients: each rank keeps its own replica, and
+        # averaging with its neighbour (the only one with 2 ranks) after
+        # every step holds the two within rounding. The mean loss (steps 2
+        # and 5) is the only collective, the same on both ranks.
+        for i in range(6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-6)
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 1]["mean_loss"] is None
+        assert mine[0, 2]["mean_loss"] == mine[1, 2]["mean_loss"] == pytest.approx(
+            (mine[0, 2]["loss"] + mine[1, 2]["loss"]) / 2, abs=1e-5)
