@@ -100,7 +100,14 @@ class IterationEstimator:
        pipeline stage) whose window holds collectives, a period that holds
        one less than once in STEP_COLLECTIVE_EVERY periods is a
        micro-batch's, not the step's, and is passed over; a period locked
-       before any collective was seen is estimated again at the first one.
+       before any collective was seen is estimated again at the first one,
+       unless every other rank of the job (``peer_rhythms``, set by the
+       job's pipeline) is locked on point-to-point calls alone at the same
+       period: ranks that all repeat one exchange are data-parallel peers
+       (decentralized SGD's neighbours), and the collective is one of
+       theirs now and then (a logged loss), not a step's. A pipeline's
+       stages differ (its first and last lock on the step at once), and a
+       rank alone is estimated again as before.
     2. Alignment: an anchor k-gram, the one whose occurrences are most
        regularly one period apart, preferring the phase after the longest
        host gap (the iteration start). Iterations run from one anchor to the
@@ -157,6 +164,9 @@ class IterationEstimator:
         self.state = "warming_up"
         self.period: int | None = None
         self._p2p_only = False      # locked on point-to-point calls, no collective seen
+        self._p2p_lock = False      # the lock was made on point-to-point calls alone
+        # The other ranks' p2p_rhythm, as the job's pipeline saw them last.
+        self.peer_rhythms: list[int | None] = []
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
         self._last_anchor: int | None = None  # global index
@@ -221,13 +231,16 @@ class IterationEstimator:
         self._gap = np.concatenate([self._gap, gap])
         self._seen += len(types)
         out: list = []
-        if self.state == "locked" and self._p2p_only and coll.any():
+        if self.state == "locked" and self._p2p_only and coll.any() and not (
+                self.peer_rhythms and all(r == self.period for r in self.peer_rhythms)):
             # A pipeline stage locked on its micro-batches' sends and
             # receives before its step's first collective: the step is
             # longer. Estimated again over every call kept, that one too.
             self.state = "relocking"
             self._try_at = self._seen
             self._last_anchor = None
+        if self.state == "locked" and coll.any():
+            self._p2p_only = False              # (peers' exchange: the lock holds)
         if self.state == "locked":
             out += self._match()
         if self.state != "locked" and self._seen >= self._try_at:
@@ -237,6 +250,12 @@ class IterationEstimator:
                 out += self._match()
         self._trim()
         return out
+
+    @property
+    def p2p_rhythm(self) -> int | None:
+        """The period while locked on one made from point-to-point calls
+        alone, else None."""
+        return self.period if self.state == "locked" and self._p2p_lock else None
 
     def _n_since_anchor(self) -> int:
         base = self._last_anchor if self._last_anchor is not None else self._offset
@@ -302,6 +321,7 @@ class IterationEstimator:
         previous = self.period
         self.period = period
         self._p2p_only = colls == 0 and bool(self._p2p[lo:].any())
+        self._p2p_lock = self._p2p_only
         self.state = "locked"
         self._irregular = 0
         self._scanned = self._offset + lo
