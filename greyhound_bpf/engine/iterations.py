@@ -106,8 +106,10 @@ class IterationEstimator:
        period: ranks that all repeat one exchange are data-parallel peers
        (decentralized SGD's neighbours), and the collective is one of
        theirs now and then (a logged loss), not a step's. A pipeline's
-       stages differ (its first and last lock on the step at once), and a
-       rank alone is estimated again as before.
+       stages differ (its first and last lock on the step at once). Until
+       every other rank is locked the lock is kept and the question stays
+       open (a collective right after an attach, one rank locked before
+       the others); a rank alone is estimated again at once, as before.
     2. Alignment: an anchor k-gram, the one whose occurrences are most
        regularly one period apart, preferring the phase after the longest
        host gap (the iteration start). Iterations run from one anchor to the
@@ -165,7 +167,8 @@ class IterationEstimator:
         self.period: int | None = None
         self._p2p_only = False      # locked on point-to-point calls, no collective seen
         self._p2p_lock = False      # the lock was made on point-to-point calls alone
-        # The other ranks' p2p_rhythm, as the job's pipeline saw them last.
+        self._step_check = False    # a collective came: a pipeline step's? (the peers say)
+        # The other ranks' `rhythm`, as the job's pipeline saw them last.
         self.peer_rhythms: list[int | None] = []
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
@@ -231,16 +234,17 @@ class IterationEstimator:
         self._gap = np.concatenate([self._gap, gap])
         self._seen += len(types)
         out: list = []
-        if self.state == "locked" and self._p2p_only and coll.any() and not (
-                self.peer_rhythms and all(r == self.period for r in self.peer_rhythms)):
-            # A pipeline stage locked on its micro-batches' sends and
-            # receives before its step's first collective: the step is
-            # longer. Estimated again over every call kept, that one too.
-            self.state = "relocking"
-            self._try_at = self._seen
-            self._last_anchor = None
-        if self.state == "locked" and coll.any():
-            self._p2p_only = False              # (peers' exchange: the lock holds)
+        if self.state == "locked" and self._p2p_only and coll.any():
+            self._p2p_only, self._step_check = False, True
+        if self.state == "locked" and self._step_check and (step := self._peers_say()) is not None:
+            self._step_check = False
+            if step:
+                # A pipeline stage locked on its micro-batches' sends and
+                # receives before its step's first collective: the step is
+                # longer. Estimated again over every call kept, that one too.
+                self.state = "relocking"
+                self._try_at = self._seen
+                self._last_anchor = None
         if self.state == "locked":
             out += self._match()
         if self.state != "locked" and self._seen >= self._try_at:
@@ -252,10 +256,25 @@ class IterationEstimator:
         return out
 
     @property
-    def p2p_rhythm(self) -> int | None:
-        """The period while locked on one made from point-to-point calls
-        alone, else None."""
-        return self.period if self.state == "locked" and self._p2p_lock else None
+    def rhythm(self) -> int | None:
+        """What the job's other ranks read of this one: None until locked,
+        the period while locked on point-to-point calls alone, 0 while
+        locked otherwise."""
+        if self.state != "locked":
+            return None
+        return self.period if self._p2p_lock else 0
+
+    def _peers_say(self) -> bool | None:
+        """Whether the collective that came to a lock on point-to-point
+        calls is a pipeline step's (the class docstring): True alone or
+        where another rank is locked otherwise, False where every other
+        rank repeats this exchange, None while one is not locked."""
+        peers = self.peer_rhythms
+        if not peers:
+            return True
+        if any(r is None for r in peers):
+            return None
+        return not all(r == self.period for r in peers)
 
     def _n_since_anchor(self) -> int:
         base = self._last_anchor if self._last_anchor is not None else self._offset
@@ -322,6 +341,7 @@ class IterationEstimator:
         self.period = period
         self._p2p_only = colls == 0 and bool(self._p2p[lo:].any())
         self._p2p_lock = self._p2p_only
+        self._step_check = False
         self.state = "locked"
         self._irregular = 0
         self._scanned = self._offset + lo

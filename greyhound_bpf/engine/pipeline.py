@@ -154,7 +154,7 @@ class JobPipeline:
         types = lut[inv]
         # Whether the other ranks repeat the same point-to-point exchange
         # (IterationEstimator: peers' collectives are not a pipeline step's).
-        rs.estimator.peer_rhythms = [o.estimator.p2p_rhythm for k, o in self.ranks.items()
+        rs.estimator.peer_rhythms = [o.estimator.rhythm for k, o in self.ranks.items()
                                      if k != key]
         out = []
         for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn],
