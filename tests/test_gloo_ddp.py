@@ -139,3 +139,21 @@ def _assert_counts(t, final: dict, nproc: int) -> None:
 def _children(pid: int) -> list[int]:
     from greyhound_bpf.probe.discovery import all_stats, descendants
     return [p for p in descendants([pid], all_stats()) if p != pid]
+
+
+def test_sends_and_receives_returning_to_one_instruction_are_timed(ddp_job, tracer):
+    """Decentralized SGD (examples/gossip_sgd.py) waits on its isend's and
+    irecv's works from one Python line: SendWork::wait and RecvWork::wait
+    both return to one instruction (inside Work::wait), so one uprobe there
+    times both. The second function's calls were counted as untimed for as
+    long as the job ran (half of all its calls), though every one of them
+    was timed; now only the few before the probe is placed are."""
+    job = ddp_job(2, 0, trainer="gossip", go=False)
+    t = tracer([job.proc.pid], "--calls", "-q")
+    t.wait_attached(2, timeout=90)
+    wait_for(lambda: len(t.events("call")) >= 600, 90, "the job's sends and receives")
+    assert t.stop() == 0
+    calls = Counter((c["rank"], c["fn"]) for c in t.events("call"))
+    assert all(calls[r, f] >= 100 for r in (0, 1)
+               for f in ("gloo::send_wait", "gloo::recv_wait")), calls
+    assert t.events("detach")[-1]["untimed"] <= 10 * 2, t.events("detach")

@@ -26,7 +26,8 @@ import numpy as np
 from .. import GreyhoundError
 from .catalog import Catalog, FunctionSpec, probes_dir
 from .discovery import MappedLib, Target
-from .records import (CALL_DTYPE, GH_F_NEW_SITE, GH_SITE_PROBED, GH_SITE_UNPROBEABLE,
+from .records import (CALL_DTYPE, GH_F_NEW_SITE, GH_SITE_NEW, GH_SITE_PROBED,
+                      GH_SITE_UNPROBEABLE,
                       GH_SPEC_RETURN_SITE, GhFnSpec, GhProbeKey)
 from .sites import exported_functions, runtime_addresses, site_location
 
@@ -73,7 +74,7 @@ class Tracer:
         self._chunks: list[bytes] = []
         self.delivered = 0
         # Return sites probed, per pid with a return-site function: runtime
-        # address -> function id.
+        # address -> its state (GH_SITE_PROBED or GH_SITE_UNPROBEABLE).
         self._sites: dict[int, dict[int, int]] = {}
         # (pid, function name) -> why a return site could not be probed: its
         # calls from there go untimed. Read and cleared by the caller.
@@ -201,12 +202,17 @@ class Tracer:
         placed = 0
         self._sites_looked = time.monotonic()
         table = self.bpf[b"sites"]
-        for key, _ in table.items():
+        for key, state in table.items():
             pid, addr = key.pid, key.addr
             done = self._sites.get(pid)
-            if done is None or addr in done:
+            if done is None or state.value != GH_SITE_NEW:
                 continue
-            done[addr] = key.fn
+            if addr in done:
+                # Another probed function returns to the same instruction
+                # (SendWork::wait and RecvWork::wait, both called through
+                # Work::wait): its uprobe there times this one's calls too.
+                table[key] = ct.c_uint8(done[addr])
+                continue
             where = site_location(pid, addr)
             if not isinstance(where, str):
                 try:
@@ -216,10 +222,11 @@ class Tracer:
             if isinstance(where, str):
                 if os.path.exists(f"/proc/{pid}"):
                     self.site_problems[(pid, self.catalog.functions[key.fn].name)] = where
-                table[key] = ct.c_uint8(GH_SITE_UNPROBEABLE)
+                done[addr] = GH_SITE_UNPROBEABLE
             else:
-                table[key] = ct.c_uint8(GH_SITE_PROBED)
+                done[addr] = GH_SITE_PROBED
                 placed += 1
+            table[key] = ct.c_uint8(done[addr])
         return placed
 
     def _attach_raw(self, pid: int, path: str, addr: int, fn_name: str, retprobe: bool) -> None:
