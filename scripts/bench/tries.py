@@ -56,6 +56,7 @@ SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ()), "ckpt": (3,
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
 PERIOD_MS = None            # --period-ms: the quota's CFS period (None: inject's default)
+RECORD = False              # --record: each try's tracer records its inputs (replayable)
 
 
 def quota(pid: int, cpus: float) -> CpuQuota:
@@ -87,11 +88,19 @@ def judge(verdicts: list[dict], rank: int, t_ns: int, within_s: float) -> tuple[
     return s <= within_s, wrong, s
 
 
+def tracer(work: Path, job, name: str) -> Tracer:
+    """A tracer attached with the defaults; with --record, its inputs kept
+    in WORK/NAME.rec.gz, which `greyhound-trace replay` turns into its
+    events again (a miss looked into afterwards)."""
+    rec = ("--record", str(work / f"{name}.rec.gz")) if RECORD else ()
+    return Tracer(work, [job.pid], "-q", *rec, name=name)
+
+
 def try_before(work, job, ranks, i, rank, share) -> dict:
     used = cpu_share(ranks[rank], 2)
     with quota(ranks[rank], share * used):
         time.sleep(5)                              # slow before we come
-        t = Tracer(work, [job.pid], "-q", name=f"before-{i}")
+        t = tracer(work, job, f"before-{i}")
         try:
             t0 = attached(t)
             if t0 is None:
@@ -109,7 +118,7 @@ def try_before(work, job, ranks, i, rank, share) -> dict:
 
 
 def try_after(work, job, ranks, i, rank, share, offset) -> dict:
-    t = Tracer(work, [job.pid], "-q", name=f"after-{i}")
+    t = tracer(work, job, f"after-{i}")
     try:
         if attached(t) is None:
             return {"ok": False, "wrong": 0, "s": float("nan"), "why": "no attach"}
@@ -150,7 +159,8 @@ def main(argv=None) -> int:
                                  "  sudo scripts/bench_tries --tries 20 --seed 11\n"
                                  "  sudo scripts/bench_tries --tries 12 --seed 17 19 23\n"
                                  "  sudo scripts/bench_tries --period-ms 100\n"
-                                 "  sudo scripts/bench_tries --trainer toy --nproc 4",
+                                 "  sudo scripts/bench_tries --trainer toy --nproc 4\n"
+                                 "  sudo scripts/bench_tries --trainer gossip --record",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tries", type=int, default=8, help="tries of each kind")
     ap.add_argument("--seed", type=int, nargs="+", default=[7],
@@ -168,9 +178,13 @@ def main(argv=None) -> int:
                     help="the quota's CFS period (default: inject's 2 ms, an even slowdown; "
                          "100: the kernel's default, as Docker's --cpus and Kubernetes' CPU "
                          "limits throttle)")
+    ap.add_argument("--record", action="store_true",
+                    help="record each try's inputs (attach --record) beside its events, "
+                         "so that a miss can be replayed; the recording costs Greyhound "
+                         "some CPU of its own")
     args = ap.parse_args(argv)
-    global PERIOD_MS
-    PERIOD_MS = args.period_ms
+    global PERIOD_MS, RECORD
+    PERIOD_MS, RECORD = args.period_ms, args.record
     if os.geteuid() != 0:
         print("bench_tries: needs root (BPF, cgroups): sudo scripts/bench_tries", file=sys.stderr)
         return 1
