@@ -264,6 +264,14 @@ class IterationEstimator:
             return None
         return self.period if self._p2p_lock else 0
 
+    @property
+    def asks_peers(self) -> bool:
+        """Whether the next calls may need ``peer_rhythms`` (a lock on
+        point-to-point calls whose first collective is coming or came): the
+        job's pipeline reads the other ranks only then, not for every batch
+        of every rank."""
+        return self.state == "locked" and (self._p2p_only or self._step_check)
+
     def _peers_say(self) -> bool | None:
         """Whether the collective that came to a lock on point-to-point
         calls is a pipeline step's (the class docstring): True alone or

@@ -152,10 +152,11 @@ class JobPipeline:
         lut = np.array([rs.types.setdefault(int(k), len(rs.types)) for k in uniq.tolist()],
                        dtype=np.int64)
         types = lut[inv]
-        # Whether the other ranks repeat the same point-to-point exchange
-        # (IterationEstimator: peers' collectives are not a pipeline step's).
-        rs.estimator.peer_rhythms = [o.estimator.rhythm for k, o in self.ranks.items()
-                                     if k != key]
+        if rs.estimator.asks_peers:
+            # Whether the other ranks repeat the same point-to-point exchange
+            # (IterationEstimator: peers' collectives are not a pipeline step's).
+            rs.estimator.peer_rhythms = [o.estimator.rhythm for k, o in self.ranks.items()
+                                         if k != key]
         out = []
         for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn],
                                       self._p2p[fn], self._coll[fn]):
