@@ -85,6 +85,49 @@ def replay(name: str, **config) -> list[dict]:
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
 
 
+def attached_later(name: str, at_ns: int, for_s: float) -> dict:
+    """How a later attach would have read the job's iterations: the
+    recording's calls from `at_ns` on, `for_s` seconds of them, fed to a new
+    JobPipeline with every rank known (as an attach makes it). Per rank:
+    (period locked at the end, None if none; iterations)."""
+    from greyhound_bpf.analysis import Calls, Targets
+    from greyhound_bpf.engine.pipeline import JobPipeline
+    from greyhound_bpf.probe.catalog import load_catalog
+    from greyhound_bpf.recording import Recording
+    catalog = load_catalog()
+    pipeline = JobPipeline(catalog)
+    rank_of: dict[int, int | None] = {}
+    iterations: dict[int | None, int] = {}
+    for inp in Recording(str(SCENARIOS / f"{name}.rec.gz"), catalog).inputs():
+        if isinstance(inp, Targets):
+            for a in inp.added:
+                rank_of[a["pid"]] = a.get("rank")
+                pipeline.add_rank(a["pid"], a.get("rank"))
+        elif isinstance(inp, Calls) and len(inp.recs):
+            recs = inp.recs[inp.recs["start_ns"] >= at_ns]
+            if len(recs) and recs["start_ns"].min() > at_ns + for_s * 1e9:
+                break
+            for kind, f, _ in pipeline.feed_records(recs, rank_of):
+                if kind == "iteration":
+                    iterations[f["rank"]] = iterations.get(f["rank"], 0) + 1
+    return {rs.rank: (rs.estimator.period if rs.estimator.state == "locked" else None,
+                      iterations.get(rs.rank, 0)) for rs in pipeline.ranks.values()}
+
+
+def collective_times(name: str) -> list[int]:
+    """When the recording's collectives started (any rank), in order."""
+    import numpy as np
+    from greyhound_bpf.analysis import Calls
+    from greyhound_bpf.probe.catalog import load_catalog
+    from greyhound_bpf.recording import Recording
+    catalog = load_catalog()
+    coll = np.array([fn.kind == "collective" for fn in catalog.functions])
+    out = [inp.recs["start_ns"][coll[inp.recs["fn"]]]
+           for inp in Recording(str(SCENARIOS / f"{name}.rec.gz"), catalog).inputs()
+           if isinstance(inp, Calls) and len(inp.recs)]
+    return sorted(np.concatenate(out).tolist())
+
+
 def iterations_by_rank(events: list[dict]) -> dict[int, list[dict]]:
     """The `iteration` events among `events`, per rank, as an agent
     publishes them (analysis.Iterations items)."""

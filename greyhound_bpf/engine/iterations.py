@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -23,6 +24,10 @@ ONE_CALL_MIN_CALLS = 48
 # receives in strict turn: period 2, at ACF 0.9, where its step is 25
 # calls; examples/pipeline_1f1b.py, held out at first, was missed so).
 STEP_COLLECTIVE_EVERY = 2
+# Iterations held back while the job's other ranks are asked whether a lock
+# on point-to-point calls is a pipeline stage's micro-batch (the class
+# docstring); past this many, the lock is taken as it is.
+HOLD_MAX = 256
 # Each collective's start and end go with an iteration (`arrivals`) where the
 # iteration lasts this long: the cross-section reads who arrived last at
 # each collective where a job's iterations are too few for its usual
@@ -101,15 +106,21 @@ class IterationEstimator:
        one less than once in STEP_COLLECTIVE_EVERY periods is a
        micro-batch's, not the step's, and is passed over; a period locked
        before any collective was seen is estimated again at the first one,
-       unless every other rank of the job (``peer_rhythms``, set by the
+       unless every other rank of the job (``peers``, set by the
        job's pipeline) is locked on point-to-point calls alone at the same
        period: ranks that all repeat one exchange are data-parallel peers
        (decentralized SGD's neighbours), and the collective is one of
        theirs now and then (a logged loss), not a step's. A pipeline's
        stages differ (its first and last lock on the step at once). Until
-       every other rank is locked the lock is kept and the question stays
-       open (a collective right after an attach, one rank locked before
-       the others); a rank alone is estimated again at once, as before.
+       every other rank is locked the lock is kept, the question stays
+       open and its iterations are held back (a collective right after an
+       attach, one rank locked before the others): kept if the peers say
+       so, dropped if not. A rank alone is estimated again at once. Where a
+       window's collectives are too few for any period it can lock to hold
+       them once in STEP_COLLECTIVE_EVERY (one right after an attach, a
+       logged loss every 50 steps), the passed-over period is locked as if
+       the collective came after the lock: the peers decide, and once they
+       said "a step's", this rank passes such periods over for good.
     2. Alignment: an anchor k-gram, the one whose occurrences are most
        regularly one period apart, preferring the phase after the longest
        host gap (the iteration start). Iterations run from one anchor to the
@@ -151,6 +162,10 @@ class IterationEstimator:
         self.peak_fraction, self.min_peak = peak_fraction, min_peak
         self.min_anchor_score, self.anchor_k, self.tolerance = min_anchor_score, anchor_k, tolerance
         self.relock_after, self.min_calls = relock_after, min_calls
+
+        # The job's other ranks' `rhythm` now (set by the job's pipeline,
+        # read only when a decision needs them); None: a rank alone.
+        self.peers: Callable[[], list[int | None]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -168,8 +183,10 @@ class IterationEstimator:
         self._p2p_only = False      # locked on point-to-point calls, no collective seen
         self._p2p_lock = False      # the lock was made on point-to-point calls alone
         self._step_check = False    # a collective came: a pipeline step's? (the peers say)
-        # The other ranks' `rhythm`, as the job's pipeline saw them last.
-        self.peer_rhythms: list[int | None] = []
+        self._strict = False        # the peers said a step's: no lock waives the rule again
+        self._held: list | None = None   # iterations while _step_check is open
+        self._judged = 0            # global index: collectives before it judged (_exchange_breaks)
+        self._own_ok = False        # a collective judged so, the exchange whole across it
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
         self._last_anchor: int | None = None  # global index
@@ -235,49 +252,99 @@ class IterationEstimator:
         self._seen += len(types)
         out: list = []
         if self.state == "locked" and self._p2p_only and coll.any():
-            self._p2p_only, self._step_check = False, True
-        if self.state == "locked" and self._step_check and (step := self._peers_say()) is not None:
+            self._p2p_only, self._step_check, self._held = False, True, []
+        if self.state == "locked" and self._p2p_lock and not self._p2p_only \
+                and (step := self._decide()) is not None:
             self._step_check = False
-            if step:
+            held, self._held = self._held or [], None
+            if not step:
+                out += held
+            else:                       # micro-batches, not steps: dropped
                 # A pipeline stage locked on its micro-batches' sends and
                 # receives before its step's first collective: the step is
-                # longer. Estimated again over every call kept, that one too.
+                # longer. Estimated again over every call kept, that one too,
+                # and the rule holds from now on (a rank alone never loops).
                 self.state = "relocking"
+                self._strict = True
                 self._try_at = self._seen
                 self._last_anchor = None
         if self.state == "locked":
             out += self._match()
         if self.state != "locked" and self._seen >= self._try_at:
+            self._held = None           # an open question's iterations: not the new lock's
             change = self._estimate()
             if change:
                 out.append(change)
                 out += self._match()
+        if self._held is not None:
+            # Undecided: a pipeline stage's micro-batches are no iterations,
+            # a peer's exchange's are. Held until the peers say.
+            self._held += [o for o in out if isinstance(o, IterationRecord)]
+            out = [o for o in out if not isinstance(o, IterationRecord)]
+            if len(self._held) >= HOLD_MAX:     # too long undecided: taken as locked
+                out, self._held = self._held + out, None
         self._trim()
         return out
 
     @property
     def rhythm(self) -> int | None:
         """What the job's other ranks read of this one: None until locked,
-        the period while locked on point-to-point calls alone, 0 while
-        locked otherwise."""
+        the period while locked on point-to-point calls alone (None while a
+        collective that came is not judged yet), 0 while locked otherwise."""
         if self.state != "locked":
             return None
-        return self.period if self._p2p_lock else 0
+        if not self._p2p_lock:
+            return 0
+        # A collective came: undecided until its own exchange is seen whole.
+        return None if self._step_check and not self._own_ok else self.period
 
-    @property
-    def asks_peers(self) -> bool:
-        """Whether the next calls may need ``peer_rhythms`` (a lock on
-        point-to-point calls whose first collective is coming or came): the
-        job's pipeline reads the other ranks only then, not for every batch
-        of every rank."""
-        return self.state == "locked" and (self._p2p_only or self._step_check)
+    def _decide(self) -> bool | None:
+        """For a lock on point-to-point calls that a collective came to:
+        True where the collective is a pipeline step's (estimated again),
+        False where the lock is kept, None while undecided or decided."""
+        judged = self._judged
+        if breaks := self._exchange_breaks():
+            return True
+        if self._step_check:
+            return self._peers_say() if self._own_ok else None
+        if self._judged != judged and self.peers and 0 in self.peers():
+            return True     # kept, and a peer has since locked on a step: a pipeline's
+        return None
+
+    def _exchange_breaks(self) -> bool | None:
+        """Whether the exchange this lock repeats breaks at a collective not
+        judged yet: the period of calls before it (collectives left out)
+        differs from the period after (fewer where fewer came before). A
+        pipeline's first stage sends its warm-up forwards' activations and
+        receives its cool-down backwards' gradients next to its step's
+        collective; decentralized SGD's exchange runs on whole around a
+        logged loss. None while the calls after one are not in yet."""
+        lo = max(self._judged - self._offset, 0)
+        colls = np.flatnonzero(self._coll[lo:]) + lo
+        if len(colls) == 0:
+            return False
+        P = self.period
+        other = np.flatnonzero(~self._coll)
+        for c in colls.tolist():
+            k = int(np.searchsorted(other, c))
+            if len(other) - k < P:
+                return None
+            self._judged = self._offset + c + 1
+            # Right after an attach, fewer calls before it (none: taken as
+            # whole for now; the next collective is judged too).
+            j = min(k, P)
+            if not np.array_equal(self._types[other[k - j:k]],
+                                  self._types[other[k - j + P:k + P]]):
+                return True
+            self._own_ok = True
+        return False
 
     def _peers_say(self) -> bool | None:
         """Whether the collective that came to a lock on point-to-point
         calls is a pipeline step's (the class docstring): True alone or
         where another rank is locked otherwise, False where every other
         rank repeats this exchange, None while one is not locked."""
-        peers = self.peer_rhythms
+        peers = self.peers() if self.peers else []
         if not peers:
             return True
         if any(r is None for r in peers):
@@ -337,10 +404,10 @@ class IterationEstimator:
                 == toks0.max():
             # One call type, and its gaps split it into no repeating phases:
             # one call per iteration (a small model's one DDP bucket).
-            best = (1, len(toks0) - 1, 1.0, 1.0, None)
+            best = (1, len(toks0) - 1, 1.0, 1.0, False, None)
         if best is None:
             return None
-        period, phase, score, peak, thr = best     # phase: index into the window
+        period, phase, score, peak, waived, thr = best     # phase: index into the window
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
         kk = _anchor_length(period, int(toks.max()) + 1, self.anchor_k)
@@ -348,8 +415,11 @@ class IterationEstimator:
         previous = self.period
         self.period = period
         self._p2p_only = colls == 0 and bool(self._p2p[lo:].any())
-        self._p2p_lock = self._p2p_only
-        self._step_check = False
+        self._p2p_lock = self._p2p_only or waived
+        self._step_check = waived
+        self._held = [] if waived else None
+        self._judged = self._offset + lo
+        self._own_ok = False
         self.state = "locked"
         self._irregular = 0
         self._scanned = self._offset + lo
@@ -371,6 +441,7 @@ class IterationEstimator:
         # Indels smear a long period's peak over neighbouring lags.
         width = np.maximum(1, np.ceil(0.02 * lags)).astype(int)
         sm = np.array([adj[max(0, k - w):k + w + 1].max() for k, w in zip(lags, width)])
+        waived = 0          # the first period passed over by the pipeline rule
         cand = sm[self.min_period:]
         top = float(cand.max())
         # The ACF of an unrelated sequence at one lag is ~N(0, 1/n): over a
@@ -383,19 +454,30 @@ class IterationEstimator:
             lo = max(self.min_period, int(k - width[k]))
             k_best = int(np.argmax(adj[lo:k + width[k] + 1])) + lo
             if colls and colls * STEP_COLLECTIVE_EVERY * k_best < n:
+                waived = waived or k_best
                 continue                        # a micro-batch's period, not the step's
-            kk = _anchor_length(k_best, ntypes, self.anchor_k)
-            if n < self.min_repeats * k_best + kk:
-                return None
-            scores, lead = _kernels.score_anchors(toks, gaps, k_best, kk, self.tolerance,
-                                                  self.min_repeats - 1)
-            ok = scores >= max(self.min_anchor_score, 0.8 * scores.max())
-            if not ok.any():
-                return None
-            ph = int(np.argmax(np.where(ok, lead, -1)))
-            base = max(n - 2 * k_best - kk, 0)
-            return k_best, base + ph, float(scores[ph]), float(adj[k_best])
+            return self._anchored(toks, gaps, k_best, ntypes, float(adj[k_best]), False)
+        if waived and not self._strict and colls * STEP_COLLECTIVE_EVERY * nlags < n:
+            # No period this window can lock holds its collectives once in
+            # STEP_COLLECTIVE_EVERY: too few to tell a step by (one, right
+            # after an attach). Locked as if the collective came after the
+            # lock: the job's other ranks say whether it is a step's.
+            return self._anchored(toks, gaps, waived, ntypes, float(adj[waived]), True)
         return None
+
+    def _anchored(self, toks: np.ndarray, gaps: np.ndarray, period: int, ntypes: int,
+                  peak: float, waived: bool):
+        kk = _anchor_length(period, ntypes, self.anchor_k)
+        if len(toks) < self.min_repeats * period + kk:
+            return None
+        scores, lead = _kernels.score_anchors(toks, gaps, period, kk, self.tolerance,
+                                              self.min_repeats - 1)
+        ok = scores >= max(self.min_anchor_score, 0.8 * scores.max())
+        if not ok.any():
+            return None
+        ph = int(np.argmax(np.where(ok, lead, -1)))
+        base = max(len(toks) - 2 * period - kk, 0)
+        return period, base + ph, float(scores[ph]), peak, waived
 
     # -- matching --------------------------------------------------------------------
 

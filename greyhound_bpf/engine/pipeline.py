@@ -10,6 +10,7 @@ the data's own times, which makes a replay deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -98,10 +99,16 @@ class JobPipeline:
 
     def add_rank(self, key: int, rank: int | None) -> None:
         if key not in self.ranks:
+            est = IterationEstimator(rank=rank, **self.estimator_args)
+            # Whether the other ranks repeat the same point-to-point exchange
+            # (IterationEstimator: peers' collectives are not a pipeline step's).
+            est.peers = partial(self._rhythms, key)
             self.ranks[key] = RankState(
-                key, rank, IterationEstimator(rank=rank, **self.estimator_args),
-                SlowdownDetector(scope="rank", threshold=self.threshold,
-                                 min_probability=self.min_probability))
+                key, rank, est, SlowdownDetector(scope="rank", threshold=self.threshold,
+                                                 min_probability=self.min_probability))
+
+    def _rhythms(self, key: int) -> list[int | None]:
+        return [o.estimator.rhythm for k, o in self.ranks.items() if k != key]
 
     def retire(self, key: int) -> None:
         """A rank exited (or its node's agent was lost): it leads and counts
@@ -152,11 +159,6 @@ class JobPipeline:
         lut = np.array([rs.types.setdefault(int(k), len(rs.types)) for k in uniq.tolist()],
                        dtype=np.int64)
         types = lut[inv]
-        if rs.estimator.asks_peers:
-            # Whether the other ranks repeat the same point-to-point exchange
-            # (IterationEstimator: peers' collectives are not a pipeline step's).
-            rs.estimator.peer_rhythms = [o.estimator.rhythm for k, o in self.ranks.items()
-                                         if k != key]
         out = []
         for item in rs.estimator.feed(types, start_ns, dur_ns, self._blocking[fn],
                                       self._p2p[fn], self._coll[fn]):
