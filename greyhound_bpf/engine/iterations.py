@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, exchange
 
 # Calls of one type seen before each one is taken for an iteration: three
 # first tries (16 calls each) that found no longer period in their gaps.
@@ -104,23 +104,18 @@ class IterationEstimator:
        marks the iteration's compute phase. On a rank with point-to-point calls (a
        pipeline stage) whose window holds collectives, a period that holds
        one less than once in STEP_COLLECTIVE_EVERY periods is a
-       micro-batch's, not the step's, and is passed over; a period locked
-       before any collective was seen is estimated again at the first one,
-       unless every other rank of the job (``peers``, set by the
-       job's pipeline) is locked on point-to-point calls alone at the same
-       period: ranks that all repeat one exchange are data-parallel peers
-       (decentralized SGD's neighbours), and the collective is one of
-       theirs now and then (a logged loss), not a step's. A pipeline's
-       stages differ (its first and last lock on the step at once). Until
-       every other rank is locked the lock is kept, the question stays
-       open and its iterations are held back (a collective right after an
-       attach, one rank locked before the others): kept if the peers say
-       so, dropped if not. A rank alone is estimated again at once. Where a
-       window's collectives are too few for any period it can lock to hold
-       them once in STEP_COLLECTIVE_EVERY (one right after an attach, a
-       logged loss every 50 steps), the passed-over period is locked as if
-       the collective came after the lock: the peers decide, and once they
-       said "a step's", this rank passes such periods over for good.
+       micro-batch's, not the step's, and is passed over. A lock on
+       point-to-point calls alone, at its first collective, is kept only
+       where its exchange runs on whole across it and every other rank of
+       the job (``peers``, from the job's pipeline) repeats it
+       (engine/exchange.py: decentralized SGD's neighbours), else it is
+       estimated again; until every other rank has decided, the question
+       stays open and its iterations are held back (a pipeline's
+       micro-batches are none). Where a window's collectives are too few
+       for any period it can lock to hold them once in
+       STEP_COLLECTIVE_EVERY (one right after an attach), the passed-over
+       period is locked as if the collective came after the lock; once
+       the answer was "a step's", such periods are passed over for good.
     2. Alignment: an anchor k-gram, the one whose occurrences are most
        regularly one period apart, preferring the phase after the longest
        host gap (the iteration start). Iterations run from one anchor to the
@@ -185,7 +180,7 @@ class IterationEstimator:
         self._step_check = False    # a collective came: a pipeline step's? (the peers say)
         self._strict = False        # the peers said a step's: no lock waives the rule again
         self._held: list | None = None   # iterations while _step_check is open
-        self._judged = 0            # global index: collectives before it judged (_exchange_breaks)
+        self._judged = 0            # global index: collectives before it judged (exchange.breaks)
         self._own_ok = False        # a collective judged so, the exchange whole across it
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
@@ -303,53 +298,18 @@ class IterationEstimator:
         True where the collective is a pipeline step's (estimated again),
         False where the lock is kept, None while undecided or decided."""
         judged = self._judged
-        if breaks := self._exchange_breaks():
+        verdict, lo, whole = exchange.breaks(self._types, self._coll,
+                                             max(judged - self._offset, 0), self.period)
+        self._judged = self._offset + lo
+        self._own_ok |= whole
+        if verdict:
             return True
         if self._step_check:
-            return self._peers_say() if self._own_ok else None
+            return exchange.peers_say(self.peers() if self.peers else [], self.period) \
+                if self._own_ok else None
         if self._judged != judged and self.peers and 0 in self.peers():
             return True     # kept, and a peer has since locked on a step: a pipeline's
         return None
-
-    def _exchange_breaks(self) -> bool | None:
-        """Whether the exchange this lock repeats breaks at a collective not
-        judged yet: the period of calls before it (collectives left out)
-        differs from the period after (fewer where fewer came before). A
-        pipeline's first stage sends its warm-up forwards' activations and
-        receives its cool-down backwards' gradients next to its step's
-        collective; decentralized SGD's exchange runs on whole around a
-        logged loss. None while the calls after one are not in yet."""
-        lo = max(self._judged - self._offset, 0)
-        colls = np.flatnonzero(self._coll[lo:]) + lo
-        if len(colls) == 0:
-            return False
-        P = self.period
-        other = np.flatnonzero(~self._coll)
-        for c in colls.tolist():
-            k = int(np.searchsorted(other, c))
-            if len(other) - k < P:
-                return None
-            self._judged = self._offset + c + 1
-            # Right after an attach, fewer calls before it (none: taken as
-            # whole for now; the next collective is judged too).
-            j = min(k, P)
-            if not np.array_equal(self._types[other[k - j:k]],
-                                  self._types[other[k - j + P:k + P]]):
-                return True
-            self._own_ok = True
-        return False
-
-    def _peers_say(self) -> bool | None:
-        """Whether the collective that came to a lock on point-to-point
-        calls is a pipeline step's (the class docstring): True alone or
-        where another rank is locked otherwise, False where every other
-        rank repeats this exchange, None while one is not locked."""
-        peers = self.peers() if self.peers else []
-        if not peers:
-            return True
-        if any(r is None for r in peers):
-            return None
-        return not all(r == self.period for r in peers)
 
     def _n_since_anchor(self) -> int:
         base = self._last_anchor if self._last_anchor is not None else self._offset
