@@ -428,7 +428,7 @@ def test_peers_repeating_one_exchange_keep_their_lock_at_a_logged_collective():
         pcs, recs, est = run(peers)
         assert pcs[0] == ("locked", 4), peers
         assert len(recs) < 100, peers         # no iteration after the first all-reduce
-        assert est.rhythm is None, peers
+        assert est.rhythm in (None, 0), peers      # not on the exchange (on its cycle, if any)
     # A peer not locked yet leaves it open: the lock holds, its iterations
     # held back (a pipeline's micro-batches are none)...
     pcs, recs, est = run([4, None])
@@ -526,6 +526,23 @@ def test_pipeline_stages_never_keep_a_lock_on_micro_batches(name):
         counts = [n for _, n in seen.values()]
         assert all(p and p > 16 for p, _ in seen.values()), seen
         assert max(counts) - min(counts) <= 0.1 * max(counts), seen
+
+
+def test_a_first_stage_waits_for_its_steps_anchor_rather_than_lock_on_gap_classes():
+    """tests/scenarios/compute-pipe2-m12-r1 (held out at first): the first
+    of 2 stages repeats its 25 calls exactly, but 80 calls were too few for
+    the step's anchor of 7 types, and gap classes (more types, a shorter
+    anchor) locked first; their long-gap bits vary with the host, so it
+    lost one iteration in six (987 against the last stage's 1142). Now
+    the types wait for more calls, and an even lag of a stage's sends
+    and receives that no anchor marks is passed over."""
+    import collections
+    import corpus
+    evs = corpus.replay("compute-pipe2-m12-r1")
+    pats = [e for e in evs if e["kind"] == "pattern"]
+    assert not any(e["gap_classes"] for e in pats), pats
+    its = collections.Counter(e["rank"] for e in evs if e["kind"] == "iteration")
+    assert max(its.values()) - min(its.values()) <= 2, its
 
 
 def test_a_throttled_ranks_iterations_are_found_on_its_call_types_not_its_gaps():

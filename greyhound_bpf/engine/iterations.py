@@ -182,6 +182,7 @@ class IterationEstimator:
         self._held: list | None = None   # iterations while _step_check is open
         self._judged = 0            # global index: collectives before it judged (exchange.breaks)
         self._own_ok = False        # a collective judged so, the exchange whole across it
+        self._short = False         # the last candidate period did not fit the window yet
         self._anchor: np.ndarray | None = None
         self._gap_thr: int | None = None   # ns; None: gap classes not used
         self._last_anchor: int | None = None  # global index
@@ -348,8 +349,11 @@ class IterationEstimator:
                 continue
             self._gap_thr = thr
             toks = self._tokens(lo, len(self._types))
+            self._short = False
             found = self._period_and_anchor(toks, self._gap[lo:], nlags, colls)
             self._gap_thr = None
+            if not found and self._short:
+                break   # the types' anchor needs more calls: gap classes would miss anchors
             if found:
                 best = (*found, thr)
                 # Call types do not change when a rank slows; its host gaps
@@ -416,7 +420,11 @@ class IterationEstimator:
             if colls and colls * STEP_COLLECTIVE_EVERY * k_best < n:
                 waived = waived or k_best
                 continue                        # a micro-batch's period, not the step's
-            return self._anchored(toks, gaps, k_best, ntypes, float(adj[k_best]), False)
+            found = self._anchored(toks, gaps, k_best, ntypes, float(adj[k_best]), False)
+            if found or not colls or self._short:
+                return found                    # (too short: no longer period fits either)
+            # A stage's lag that passes the rule but no anchor marks (an even
+            # lag of its sends and receives in turn): the step's comes later.
         if waived and not self._strict and colls * STEP_COLLECTIVE_EVERY * nlags < n:
             # No period this window can lock holds its collectives once in
             # STEP_COLLECTIVE_EVERY: too few to tell a step by (one, right
@@ -429,6 +437,7 @@ class IterationEstimator:
                   peak: float, waived: bool):
         kk = _anchor_length(period, ntypes, self.anchor_k)
         if len(toks) < self.min_repeats * period + kk:
+            self._short = True
             return None
         scores, lead = _kernels.score_anchors(toks, gaps, period, kk, self.tolerance,
                                               self.min_repeats - 1)
