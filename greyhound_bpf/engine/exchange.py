@@ -28,6 +28,8 @@ def breaks(types: np.ndarray, coll: np.ndarray, lo: int, period: int
     else False; the index up to which collectives were judged; whether
     one was judged whole)."""
     colls = np.flatnonzero(coll[lo:]) + lo
+    if len(colls) == 0:
+        return False, lo, False     # a kept lock's every batch: nothing to judge
     other = np.flatnonzero(~coll)
     whole = False
     for c in colls.tolist():
