@@ -210,7 +210,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
                                      "ppo_rollout", "vit_checkpoint",
                                      "multitask_unused", "manual_allreduce",
-                                     "sparse_recsys", "gossip_sgd"])
+                                     "sparse_recsys", "gossip_sgd", "syncbn_cnn"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -228,7 +228,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     transformer with activation checkpointing; two tasks in turn under
     find_unused_parameters; gradients averaged by hand, an all-reduce per
     parameter; a recommender's sparse embedding gradients; decentralized
-    SGD, parameters averaged with ring neighbours) stay runnable: 2
+    SGD, parameters averaged with ring neighbours; batch norm synced across
+    the ranks, collectives in the forward too) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -253,6 +254,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "multitask_unused": ("--log-every", "3", "--checksums"),
              "manual_allreduce": ("--epoch", "3", "--checksums"),
              "gossip_sgd": ("--log-every", "3", "--checksums"),
+             "syncbn_cnn": ("--checksums",),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -473,3 +475,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert mine[0, 1]["mean_loss"] is None
         assert mine[0, 2]["mean_loss"] == mine[1, 2]["mean_loss"] == pytest.approx(
             (mine[0, 2]["loss"] + mine[1, 2]["loss"]) / 2, abs=1e-5)
+    if example == "syncbn_cnn":
+        # DDP keeps the replicas equal; the batch norms' running statistics
+        # are equal too although each rank's images differ (each one's own
+        # brightness) and DDP broadcasts no buffer: they are the global
+        # batch's, synced in every forward. They change at every step.
+        assert_replicas_equal_and_training(mine)
+        assert_replicas_equal_and_training(mine, "stats")
