@@ -50,7 +50,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "manual": ROOT / "examples" / "manual_allreduce.py",
             "sparse": ROOT / "examples" / "sparse_recsys.py",
             "gossip": ROOT / "examples" / "gossip_sgd.py",
-            "syncbn": ROOT / "examples" / "syncbn_cnn.py"}
+            "syncbn": ROOT / "examples" / "syncbn_cnn.py",
+            "ps": ROOT / "examples" / "param_server.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

@@ -210,7 +210,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "clip_contrastive", "ema_rank0", "compiled_ddp",
                                      "ppo_rollout", "vit_checkpoint",
                                      "multitask_unused", "manual_allreduce",
-                                     "sparse_recsys", "gossip_sgd", "syncbn_cnn"])
+                                     "sparse_recsys", "gossip_sgd", "syncbn_cnn",
+                                     "param_server"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -229,7 +230,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     find_unused_parameters; gradients averaged by hand, an all-reduce per
     parameter; a recommender's sparse embedding gradients; decentralized
     SGD, parameters averaged with ring neighbours; batch norm synced across
-    the ranks, collectives in the forward too) stay runnable: 2
+    the ranks, collectives in the forward too; a parameter server, rank 0
+    stepping the workers' mean gradient) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -255,6 +257,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "manual_allreduce": ("--epoch", "3", "--checksums"),
              "gossip_sgd": ("--log-every", "3", "--checksums"),
              "syncbn_cnn": ("--checksums",),
+             "param_server": ("--checksums",),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -482,3 +485,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # batch's, synced in every forward. They change at every step.
         assert_replicas_equal_and_training(mine)
         assert_replicas_equal_and_training(mine, "stats")
+    if example == "param_server":
+        # Rank 0 serves and trains nothing; the worker's pull leaves its
+        # parameters equal to the server's after every step, and they change.
+        assert [mine[r, 0]["role"] for r in range(2)] == ["server", "worker"]
+        assert all(mine[0, i]["loss"] is None and mine[1, i]["loss"] > 0 for i in range(6))
+        assert_replicas_equal_and_training(mine)
