@@ -48,6 +48,23 @@ def test_a_rank_given_more_work_by_a_plan_is_no_straggler():
     assert [v.ranks for v in got] == [(0,)]
 
 
+def test_a_parameter_servers_little_compute_does_not_make_a_worker_a_straggler():
+    """examples/param_server.py at 3 ranks (the corpus's compute-ps3-r2, at
+    12 s, before its fault): rank 0 serves, computing next to nothing and
+    waiting; worker 1 computes a few percent more than worker 2 in every
+    iteration. The others' median of two is their mean, halfway to the
+    server's, so worker 1 read twice the others' compute; their upper
+    median is worker 2's, and only a worker really slower is named."""
+    per_mb, mbs = {0: 0.05, 1: 1.07, 2: 1.0}, {r: 15 for r in range(3)}
+    got, _ = feed(CrossSection(), 300, per_mb, mbs)
+    assert got == []
+    got, _ = feed(CrossSection(), 300, {**per_mb, 2: 2.0}, mbs)
+    assert [(v.cause, v.ranks) for v in got] == [("computation", (2,))]
+    # The server itself slow: its compute grows past the workers'.
+    got, _ = feed(CrossSection(), 300, {**per_mb, 0: 2.0}, mbs)
+    assert [(v.cause, v.ranks) for v in got] == [("computation", (0,))]
+
+
 def test_a_new_fault_under_a_plan_is_named_per_unit_of_work():
     # Rank 1's plan is in force (it got 5 of 16) and rank 0 turns slow.
     split = {0: 11, 1: 5}

@@ -12,8 +12,10 @@ whatever the job did before. Pure: fed the event stream.
 Over the latest `window` speed-sample iterations of every rank (aligned in
 time), rank s is a computation straggler when
 
-- its median compute exceeds the others' median by >= EXCESS of the job's
-  iteration time (a straggler costs the job about its excess: below the
+- its median compute exceeds the others' (their upper median: of two
+  others the larger, not their mean, which a rank that computes little
+  by design, as a parameter server, would pull halfway down) by >= EXCESS
+  of the job's iteration time (a straggler costs the job about its excess: below the
   slowdown threshold's worth it is not worth naming), and by >= REL_EXCESS
   of their compute (healthy ranks differ by a few percent; rank 0 often
   does a little more); or, at >= STRONG_REL of their compute (twice
@@ -299,7 +301,9 @@ class CrossSection:
         if self._streak and self._streak[-1][0] == s:
             bar *= HOLD                         # the same rank as the look before
         others = [r for r in comp if r != s]
-        c_o = statistics.median(comp[r] for r in others)
+        # The upper median: two others' mean put a worker at twice a parameter
+        # server's job's "others" (examples/param_server.py; compute-ps3-r2).
+        c_o = statistics.median_high([comp[r] for r in others])
         excess = comp[s] - c_o
         waited = statistics.median(comm[r] for r in others) - comm[s]
         big = excess >= bar * it or (strong and excess >= STRONG_SHARE * bar * it
