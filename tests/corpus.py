@@ -161,6 +161,29 @@ def right(d: dict, f: dict) -> bool:
     return d["cause"] == "communication" and d["link"] == f"rank {f['rank']}"
 
 
+def job_log(truth: list[dict], t0_ns: int | None = None) -> dict:
+    """The job's own log as `confirmed` reads it, from a trainer's truth
+    records: every rank's iterations, start to start, pooled in time order
+    ([ms since t0, ms]). The ranks are held in step, so each rank's times
+    are the job's pace plus where in its loop that rank reads the clock;
+    one rank alone can be a poor witness (a parameter server's loop top,
+    after a broadcast that returns before the workers have it, read 10-35
+    ms around its workers' steady 18-20 ms, and its median alone missed two
+    slowdowns of 8% that each worker's log showed). The recordings' truth
+    holds rank 0's log only (scripts/record_scenario.py)."""
+    per_rank: dict = {}
+    for r in truth:
+        if "start_ns" in r and r.get("rank") is not None:
+            per_rank.setdefault(r["rank"], []).append(r["start_ns"])
+    if t0_ns is None:
+        t0_ns = min((min(s) for s in per_rank.values()), default=0)
+    rows = []
+    for starts in per_rank.values():
+        starts.sort()
+        rows += [[(a - t0_ns) / 1e6, (b - a) / 1e6] for a, b in zip(starts, starts[1:])]
+    return {"job_log_t0_ns": t0_ns, "job_log": sorted(rows)}
+
+
 def _job_ms(t: dict, lo_ns: int, hi_ns: int) -> float | None:
     t0 = t["job_log_t0_ns"]
     d = [ms for at, ms in t["job_log"] if lo_ns <= t0 + at * 1e6 < hi_ns]

@@ -390,13 +390,11 @@ def wrong(verdicts: list[dict], rank: int) -> list[dict]:
 def unconfirmed_slowdowns(events: list[dict], truth: list[dict], lo_ns: int = 0,
                           hi_ns: int = 1 << 62) -> list[dict]:
     """Job slowdowns with their onset in [lo, hi) that the job's own log
-    (rank 0, start to start) does not show over the detector's own windows
-    (tests/corpus.py: `confirmed`). A healthy phase may hold slowdowns the
-    host caused (its log shows them), never ones the tool made up."""
+    (every rank's, start to start: corpus.job_log) does not show over the
+    detector's own windows (tests/corpus.py: `confirmed`). A healthy phase
+    may hold slowdowns the host caused (its log shows them), never ones the
+    tool made up."""
     import corpus
-    starts = sorted(r["start_ns"] for r in truth if r.get("rank") == 0 and "start_ns" in r)
-    t0 = starts[0] if starts else 0
-    log = {"job_log_t0_ns": t0,
-           "job_log": [[(a - t0) / 1e6, (b - a) / 1e6] for a, b in zip(starts, starts[1:])]}
+    log = corpus.job_log(truth)
     return [e for e in events if e["kind"] == "slowdown" and e.get("scope") == "job"
             and lo_ns <= e["onset_ns"] < hi_ns and not corpus.confirmed(log, e)]

@@ -86,3 +86,39 @@ def test_replay_is_deterministic_across_processes():
                            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"}).stdout
             for seed in (1, 2)]
     assert outs[0] == outs[1] and json.loads(outs[0])
+
+
+def _ranks_log(paces: dict[int, list[float]], n: int) -> list[dict]:
+    """Truth records of ranks whose start-to-start times (ms) cycle
+    through `paces[rank]` for n iterations each."""
+    out = []
+    for rank, cycle in paces.items():
+        at = 1_000_000_000
+        for i in range(n):
+            out.append({"rank": rank, "index": i, "start_ns": at})
+            at += int(cycle[i % len(cycle)] * 1e6)
+    return out
+
+
+def test_the_job_log_check_reads_every_ranks_pace():
+    """`confirmed` reads every rank's log (corpus.job_log): a server whose
+    loop top reads 10, 20 and 30 ms around its workers' steady 20 keeps its
+    median at 20 when the job slows 8% (its long reads longer), where each
+    worker's log shows the 8%; a slowdown no rank's log shows stays
+    unconfirmed."""
+    from harness import unconfirmed_slowdowns
+    healthy = {0: [10.0, 20.0, 30.0], 1: [20.0], 2: [20.0]}
+    slower = {0: [10.0, 20.0, 34.8], 1: [21.6], 2: [21.6]}
+    n = 300
+    before = _ranks_log(healthy, n)
+    onset = 1_000_000_000 + int(n * 20e6)
+    after = [dict(r, start_ns=r["start_ns"] + onset - 1_000_000_000)
+             for r in _ranks_log(slower, n)]
+    e = {"kind": "slowdown", "scope": "job", "onset_ns": onset,
+         "baseline_ns": onset - int(1e9), "time_ns": onset + int(1e9),
+         "before_ms": 20.0, "after_ms": 21.6}
+    rank0 = [r for r in before + after if r["rank"] == 0]
+    assert unconfirmed_slowdowns([e], rank0) == [e]      # the server alone misses it
+    assert unconfirmed_slowdowns([e], before + after) == []
+    flat = before + [dict(r, start_ns=r["start_ns"] + int(n * 20e6)) for r in before]
+    assert unconfirmed_slowdowns([e], flat) == [e]

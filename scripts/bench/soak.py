@@ -88,9 +88,7 @@ def main(argv=None) -> int:
             tracer.kill()
         job.close()
     evs = tail.read()
-    starts = sorted(r["start_ns"] for r in truth if r.get("rank") == 0 and "start_ns" in r)
-    log = {"job_log_t0_ns": t0, "job_log": [[(a - t0) / 1e6, (b - a) / 1e6]
-                                            for a, b in zip(starts, starts[1:])]}
+    log = corpus.job_log(truth, t0)
     slow = [e for e in evs if e["kind"] == "slowdown" and e["scope"] == "job"]
     unconfirmed = [e for e in slow if not corpus.confirmed(log, e)]
     named = [e for e in evs if e["kind"] == "diagnosis" and e["cause"] != "unknown"]
