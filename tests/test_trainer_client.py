@@ -211,7 +211,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "ppo_rollout", "vit_checkpoint",
                                      "multitask_unused", "manual_allreduce",
                                      "sparse_recsys", "gossip_sgd", "syncbn_cnn",
-                                     "param_server", "ring_attention"])
+                                     "param_server", "ring_attention",
+                                     "ulysses_attention"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -232,7 +233,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     SGD, parameters averaged with ring neighbours; batch norm synced across
     the ranks, collectives in the forward too; a parameter server, rank 0
     stepping the workers' mean gradient; ring attention, key and value
-    chunks passed round the ranks in both passes) stay runnable: 2
+    chunks passed round the ranks in both passes; Ulysses sequence
+    parallelism, heads and sequence swapped by all-to-alls) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -260,6 +262,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "syncbn_cnn": ("--checksums",),
              "param_server": ("--checksums",),
              "ring_attention": ("--checksums", "--chunk", "32"),
+             "ulysses_attention": ("--checksums", "--chunk", "32"),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -498,4 +501,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # and gradients, on each rank's chunk), and DDP keeps the replicas
         # equal.
         assert all(mine[r, 0]["ring_error"] < 1e-9 for r in range(2))
+        assert_replicas_equal_and_training(mine)
+    if example == "ulysses_attention":
+        # The exchanged attention is attention over the whole sequence
+        # (output and gradients, on each rank's chunk), and DDP keeps the
+        # replicas equal.
+        assert all(mine[r, 0]["ulysses_error"] < 1e-9 for r in range(2))
         assert_replicas_equal_and_training(mine)
