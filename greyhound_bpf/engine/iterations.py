@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from . import _kernels, exchange
+from .anchors import anchor_length, otsu_threshold
 
 # Calls of one type seen before each one is taken for an iteration: three
 # first tries (16 calls each) that found no longer period in their gaps.
@@ -344,7 +345,7 @@ class IterationEstimator:
             return None
         best = None
         for use_gaps in (False, True):
-            thr = _otsu_threshold(self._gap[lo:]) if use_gaps else None
+            thr = otsu_threshold(self._gap[lo:]) if use_gaps else None
             if use_gaps and thr is None:
                 continue
             self._gap_thr = thr
@@ -374,7 +375,7 @@ class IterationEstimator:
         period, phase, score, peak, waived, thr = best     # phase: index into the window
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
-        kk = _anchor_length(period, int(toks.max()) + 1, self.anchor_k)
+        kk = anchor_length(period, int(toks.max()) + 1, self.anchor_k)
         self._anchor = toks[phase:phase + kk].copy()
         previous = self.period
         self.period = period
@@ -435,7 +436,7 @@ class IterationEstimator:
 
     def _anchored(self, toks: np.ndarray, gaps: np.ndarray, period: int, ntypes: int,
                   peak: float, waived: bool):
-        kk = _anchor_length(period, ntypes, self.anchor_k)
+        kk = anchor_length(period, ntypes, self.anchor_k)
         if len(toks) < self.min_repeats * period + kk:
             self._short = True
             return None
@@ -523,34 +524,3 @@ class IterationEstimator:
             for name in ("_types", "_start", "_end", "_block", "_p2p", "_coll", "_gap"):
                 setattr(self, name, getattr(self, name)[keep_from:])
             self._offset += keep_from
-
-
-def _anchor_length(period: int, ntypes: int, minimum: int) -> int:
-    """Calls in the anchor: enough that a chance repeat of it inside one
-    period is unlikely (ntypes^k >> period^2), no more than the period."""
-    need = math.ceil(2 * math.log(period + 1) / math.log(max(ntypes, 2))) + 1
-    return int(min(period, max(minimum, need)))
-
-
-def _otsu_threshold(gaps: np.ndarray) -> int | None:
-    """The host-gap length that best splits short gaps (between calls of one
-    phase) from long ones (compute), by Otsu's method on log gaps."""
-    g = gaps[gaps > 0]
-    if len(g) < 8:
-        return None
-    lg = np.log(g.astype(np.float64))
-    hist, edges = np.histogram(lg, bins=64)
-    if hist.sum() == 0:
-        return None
-    w = hist / hist.sum()
-    mids = (edges[:-1] + edges[1:]) / 2
-    w0 = np.cumsum(w)
-    m0 = np.cumsum(w * mids)
-    mt = m0[-1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        between = (mt * w0 - m0) ** 2 / (w0 * (1 - w0))
-    between[~np.isfinite(between)] = -1
-    i = int(np.argmax(between))
-    if between[i] <= 0:
-        return None
-    return int(math.exp(edges[i + 1]))
