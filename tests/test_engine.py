@@ -11,6 +11,7 @@ import pytest
 from bocd_reference import ReferenceBOCD, reference_changepoints
 from greyhound_bpf.engine import _kernels
 from greyhound_bpf.engine.datasets import call_stream, iteration_series, precision_recall
+from greyhound_bpf.engine.iterations import ONE_CALL_MIN_CALLS
 from greyhound_bpf.engine import (BOCD, IterationEstimator, IterationRecord, PatternChange,
                                   SlowdownDetector, changepoints, default_prior)
 
@@ -201,9 +202,38 @@ def test_one_call_per_iteration_is_a_period_of_one():
     cs = call_stream(1, n_iter=400, ntypes=1, seed=3)
     est, recs, pcs = estimate(cs)
     assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1)]
+    assert pcs[0].at_ns == cs.start_ns[ONE_CALL_MIN_CALLS - 1] and ONE_CALL_MIN_CALLS == 32
     assert len(recs) >= 0.75 * len(cs.iter_dur_ns)
     assert median_error(cs, recs) <= 0.01
     assert all(0 < r.comm_ns < r.dur_ns for r in recs)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_noisy_period_of_one_stays_one(seed):
+    # One call a step, the steps' lengths (so the host gaps) varying by
+    # half: searched again up to the window, no longer period is made up.
+    cs = call_stream(1, n_iter=5000, ntypes=1, cv=0.5, seed=20 + seed)
+    est, recs, pcs = estimate(cs)
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1)]
+    assert len(recs) >= 0.95 * len(cs.iter_dur_ns)
+
+
+@pytest.mark.parametrize("period", [12, 16, 40])
+def test_a_long_step_of_one_call_type_replaces_a_period_of_one(period):
+    # PPO's minibatch all-reduces after a rollout, all one size: more of
+    # them than ONE_CALL_MIN_CALLS can show 3 repeats of. Read as a period
+    # of one first, then the step, from the calls it was found in on.
+    cs = call_stream(period, n_iter=200, ntypes=1, cv=0.1, seed=period)
+    est, recs, pcs = estimate(cs)
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1), ("changed", period)]
+    after = [r for r in recs if r.period == period]
+    # (Anchors on gap classes alone skip up to half of such steps, as they
+    # do with no period of one before: 91-198 of 200 over three seeds.)
+    assert len(after) >= 0.4 * 200 and median_error(cs, after) <= 0.01
+    # Nothing reported twice: the step's iterations begin after the last
+    # call read as one.
+    ones = [r for r in recs if r.period == 1]
+    assert after[0].start_ns >= ones[-1].start_ns + ones[-1].dur_ns
 
 
 def test_one_call_type_with_phases_in_its_gaps_is_not_a_period_of_one():

@@ -14,9 +14,11 @@ import numpy as np
 from . import _kernels, exchange
 from .anchors import anchor_length, otsu_threshold
 
-# Calls of one type seen before each one is taken for an iteration: three
+# Calls of one type seen before each one is taken for an iteration: two
 # first tries (16 calls each) that found no longer period in their gaps.
-ONE_CALL_MIN_CALLS = 48
+# Provisional: the longer periods 32 calls cannot show (3 repeats of at most
+# 10) are looked for again as the window grows (see the class docstring).
+ONE_CALL_MIN_CALLS = 32
 # A pipeline stage's point-to-point calls repeat once per micro-batch, and
 # its step's collective (the gradients' all-reduce, a global-norm clip) once
 # per step. A period of a stage's calls must hold a collective at least
@@ -138,7 +140,13 @@ class IterationEstimator:
     small model's gradients in one DDP bucket): after ONE_CALL_MIN_CALLS
     calls with no longer period found, each call is an iteration (period 1,
     from one call's end to the next one's). A call of another type later
-    breaks the match and the period is estimated again.
+    breaks the match and the period is estimated again. A period of one is
+    provisional: a step of more same-type calls than a third of those (PPO's
+    minibatch all-reduces) shows its period only in a longer window, so the
+    calls since the lock are searched again as they grow by a quarter, up
+    to the window; a longer period found replaces it ("changed"). After 48
+    calls, a rank of one call a step slowed to 4 a second locked 12 s after
+    the attach (examples/evolution_strategies.py, held out: named at 15.0 s).
 
     Until a period is locked, ``state`` is "warming_up" and nothing is
     guessed.
@@ -192,6 +200,7 @@ class IterationEstimator:
         self._irregular = 0
         self._seen = 0              # calls fed so far
         self._try_at = self.min_calls   # call count at which to estimate next
+        self._one_from: int | None = None  # global index: a provisional period of one's calls
         self.index = 0
         self.skipped = 0
 
@@ -228,7 +237,7 @@ class IterationEstimator:
             # Stop at the call count where an estimate is due, so estimates
             # happen at the same calls whatever the batch boundaries.
             j = len(types)
-            if self.state != "locked":
+            if self.state != "locked" or self._one_from is not None:
                 j = min(j, i + max(1, self._try_at - self._seen))
             out += self._feed(types[i:j], start[i:j], start[i:j] + dur[i:j], block[i:j],
                               pp[i:j], co[i:j])
@@ -267,6 +276,8 @@ class IterationEstimator:
                 self._last_anchor = None
         if self.state == "locked":
             out += self._match()
+        if self.state == "locked" and self._one_from is not None and self._seen >= self._try_at:
+            out += self._recheck_one()
         if self.state != "locked" and self._seen >= self._try_at:
             self._held = None           # an open question's iterations: not the new lock's
             change = self._estimate()
@@ -325,7 +336,25 @@ class IterationEstimator:
 
     # -- period and anchor -----------------------------------------------------------
 
-    def _estimate(self) -> PatternChange | None:
+    def _recheck_one(self) -> list:
+        """A provisional period of one: its calls so far searched for a
+        longer period (none of one call type: the types alone cannot show
+        one, their host gaps can)."""
+        lo = max(self._one_from - self._offset, 0)
+        if len(self._types) - lo >= self.window:
+            self._one_from = None           # a whole window of it: it stands
+            return []
+        scanned = self._scanned
+        change = self._estimate(lo, one_call=False)
+        if change is None:
+            return []
+        # Its iterations from here on: the calls before were reported already.
+        self._scanned = max(self._scanned, scanned - len(self._anchor))
+        return [change] + self._match()
+
+    def _estimate(self, lo: int | None = None, one_call: bool = True) -> PatternChange | None:
+        if lo is not None:
+            return self._estimate_from(lo, one_call)
         # Estimate on the calls since the last anchor (a new pattern), at most a window.
         lo = max(0, len(self._types) - self.window)
         if self._last_anchor is not None:
@@ -336,6 +365,9 @@ class IterationEstimator:
             # all-reduce; examples/local_sgd.py was never relocked).
             lo = max(lo, min(self._last_anchor - self._offset + (self.period or 0),
                              len(self._types)))
+        return self._estimate_from(lo, one_call)
+
+    def _estimate_from(self, lo: int, one_call: bool) -> PatternChange | None:
         n = len(self._types) - lo
         # A pipeline stage's step holds its collective (STEP_COLLECTIVE_EVERY).
         colls = int(self._coll[lo:].sum()) if self._p2p[lo:].any() else 0
@@ -365,13 +397,15 @@ class IterationEstimator:
                 break
         # Let the window grow before trying again.
         self._try_at = self._seen + max(self.min_calls, n // 4)
-        if best is None and n >= ONE_CALL_MIN_CALLS and (toks0 := self._types[lo:]).min() \
-                == toks0.max():
+        one = best is None and one_call and n >= ONE_CALL_MIN_CALLS \
+            and (toks0 := self._types[lo:]).min() == toks0.max()
+        if one:
             # One call type, and its gaps split it into no repeating phases:
             # one call per iteration (a small model's one DDP bucket).
             best = (1, len(toks0) - 1, 1.0, 1.0, False, None)
         if best is None:
             return None
+        self._one_from = self._offset + lo if one else None
         period, phase, score, peak, waived, thr = best     # phase: index into the window
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
