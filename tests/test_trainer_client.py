@@ -272,7 +272,10 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
-    assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
+    try:
+        assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
+    finally:
+        kill_tree(proc)         # a hung rank (and its launcher) is not left behind
     rows = read_jsonl(truth)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
     steps = {r: 6 * (1 + r) if example == "join_lstm" else 6 for r in range(nproc)}
