@@ -54,7 +54,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "ps": ROOT / "examples" / "param_server.py",
             "ring": ROOT / "examples" / "ring_attention.py",
             "ulysses": ROOT / "examples" / "ulysses_attention.py",
-            "es": ROOT / "examples" / "evolution_strategies.py"}
+            "es": ROOT / "examples" / "evolution_strategies.py",
+            "topk": ROOT / "examples" / "topk_compression.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

@@ -212,7 +212,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "multitask_unused", "manual_allreduce",
                                      "sparse_recsys", "gossip_sgd", "syncbn_cnn",
                                      "param_server", "ring_attention",
-                                     "ulysses_attention", "evolution_strategies"])
+                                     "ulysses_attention", "evolution_strategies",
+                                     "topk_compression"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -235,7 +236,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     stepping the workers' mean gradient; ring attention, key and value
     chunks passed round the ranks in both passes; Ulysses sequence
     parallelism, heads and sequence swapped by all-to-alls; evolution
-    strategies, no backward and one all-gather of returns) stay runnable: 2
+    strategies, no backward and one all-gather of returns; top-k
+    compressed gradients, all-gathered) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -265,6 +267,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "ring_attention": ("--checksums", "--chunk", "32"),
              "ulysses_attention": ("--checksums", "--chunk", "32"),
              "evolution_strategies": ("--checksums", "--pairs", "4", "--horizon", "20"),
+             "topk_compression": ("--checksums", "--width", "64"),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -519,3 +522,6 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # step to step.
         assert_replicas_equal_and_training(mine)
         assert len({mine[0, i]["loss"] for i in range(6)}) == 6
+    if example == "topk_compression":
+        # Every rank sums every rank's top entries into the same update.
+        assert_replicas_equal_and_training(mine)
