@@ -98,11 +98,11 @@ class Fault:
 
 def job_log(truth_path: Path, t0_ns: int) -> list[list[float]]:
     """Rank 0's iterations from the trainer's own log: [ms since t0, ms
-    start to start]."""
-    starts = sorted(r["start_ns"] for r in read_jsonl(truth_path)
-                    if r.get("rank") == 0 and "start_ns" in r)
-    return [[round((a - t0_ns) / 1e6, 1), round((b - a) / 1e6, 2)]
-            for a, b in zip(starts, starts[1:])]
+    start to start] (corpus.job_log of rank 0 alone, rounded)."""
+    import corpus
+    rows = corpus.job_log([r for r in read_jsonl(truth_path) if r.get("rank") == 0],
+                          t0_ns)["job_log"]
+    return [[round(at, 1), round(ms, 2)] for at, ms in rows]
 
 
 def record(sc: dict, out_dir: Path, work: Path) -> dict:

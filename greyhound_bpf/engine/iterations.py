@@ -345,16 +345,14 @@ class IterationEstimator:
             self._one_from = None           # a whole window of it: it stands
             return []
         scanned = self._scanned
-        change = self._estimate(lo, one_call=False)
+        change = self._estimate_from(lo, one_call=False)
         if change is None:
             return []
         # Its iterations from here on: the calls before were reported already.
         self._scanned = max(self._scanned, scanned - len(self._anchor))
         return [change] + self._match()
 
-    def _estimate(self, lo: int | None = None, one_call: bool = True) -> PatternChange | None:
-        if lo is not None:
-            return self._estimate_from(lo, one_call)
+    def _estimate(self) -> PatternChange | None:
         # Estimate on the calls since the last anchor (a new pattern), at most a window.
         lo = max(0, len(self._types) - self.window)
         if self._last_anchor is not None:
@@ -365,7 +363,7 @@ class IterationEstimator:
             # all-reduce; examples/local_sgd.py was never relocked).
             lo = max(lo, min(self._last_anchor - self._offset + (self.period or 0),
                              len(self._types)))
-        return self._estimate_from(lo, one_call)
+        return self._estimate_from(lo, one_call=True)
 
     def _estimate_from(self, lo: int, one_call: bool) -> PatternChange | None:
         n = len(self._types) - lo
