@@ -236,6 +236,52 @@ def test_a_long_step_of_one_call_type_replaces_a_period_of_one(period):
     assert after[0].start_ns >= ones[-1].start_ns + ones[-1].dur_ns
 
 
+def test_a_short_period_passed_over_at_a_period_of_one_stays_one():
+    # One call type; the first calls' gaps show no phases (a period of one
+    # at the 32nd call), later ones two phases a step (top-k compression's
+    # values' and indices' all-gathers on a healthy rank). A throttled
+    # rank's gaps would not show them: a period the lock's own search
+    # could reach (3 repeats in 32 calls: up to 10) is not taken later.
+    rng = np.random.default_rng(7)
+    n0, n1 = 60, 600
+    gaps = np.r_[rng.lognormal(np.log(5e6), 1.0, n0),
+                 np.where(np.arange(n1) % 2, 1e6, 20e6) * rng.uniform(0.9, 1.1, n1)]
+    start = (1_700_000_000_000_000_000 + np.cumsum(gaps)).astype(np.int64)
+    dur = np.full(len(start), 200_000, dtype=np.int64)
+    types = np.zeros(len(start), dtype=np.int64)
+    est = IterationEstimator()
+    pcs = [o for o in est.feed(types, start, dur) if isinstance(o, PatternChange)]
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1)]
+    # (Its own search reaches it: a period of two, were it not one's.)
+    assert est._search(0, one_call=False)[0] == 2
+
+
+@pytest.mark.parametrize("when", [None, 0.25, 0.5])
+def test_a_longer_period_than_one_is_taken_as_the_jobs_ranks_agree(when):
+    # PPO's step of 12 same-type calls on one rank of a job (`offers`, set
+    # by the job's pipeline): taken only once every other rank offers it
+    # too, at its next call then; a peer still at one (its throttled gaps
+    # show no step) or not locked keeps it one.
+    cs = call_stream(12, n_iter=200, ntypes=1, cv=0.1, seed=12)
+    est = IterationEstimator()
+    peers = [1, None]
+    est.offers = lambda: peers
+    cut = len(cs.types) if when is None else int(when * len(cs.types))
+    out = []
+    for i in range(0, len(cs.types), 7):
+        if i >= cut:
+            peers = [12, 12]
+        out += est.feed(cs.types[i:i + 7], cs.start_ns[i:i + 7], cs.dur_ns[i:i + 7])
+    pcs = [o for o in out if isinstance(o, PatternChange)]
+    if when is None:
+        assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1)]
+        assert est.offer == 12          # what it found, offered to the others
+        return
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 1), ("changed", 12)]
+    assert pcs[1].at_ns >= cs.start_ns[cut]
+    assert est.offer == 12 and est.period == 12
+
+
 def test_one_call_type_with_phases_in_its_gaps_is_not_a_period_of_one():
     # Three same-size buckets per step: the gaps tell the compute phase.
     cs = call_stream(3, n_iter=400, ntypes=1, cv=0.1, seed=4)

@@ -1,18 +1,18 @@
 """Iterations from a rank's call sequence: the period of the call types by
 ACF, an anchor k-gram that marks where each iteration starts, and one
-`IterationRecord` per iteration (duration, time in blocking calls, compute).
+`IterationRecord` per iteration (duration, time in blocking calls, compute;
+records in patterns.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from . import _kernels, exchange
 from .anchors import anchor_length, otsu_threshold
+from .patterns import ITERATION_FIELDS, IterationRecord, PatternChange  # noqa: F401
 
 # Calls of one type seen before each one is taken for an iteration: two
 # first tries (16 calls each) that found no longer period in their gaps.
@@ -38,62 +38,6 @@ HOLD_MAX = 256
 # and a faster job's events stay small. At most ARRIVALS_MAX of them.
 ARRIVALS_FROM_NS = 300_000_000
 ARRIVALS_MAX = 64
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    rank: int | None
-    index: int           # iteration number since the pattern was locked
-    start_ns: int        # end of the previous iteration's last call
-    dur_ns: int          # to the end of this iteration's last call
-    period_calls: int    # calls in this iteration
-    comm_ns: int         # time inside blocking calls (union over threads)
-    compute_ns: int      # dur_ns - comm_ns
-    p2p_ns: int = 0      # of comm_ns, inside point-to-point calls (a pipeline's sends)
-    period: int = 0      # the pattern's period in calls (0: not known, older recordings)
-    # Its collectives' (start, end) in µs from start_ns, flat: s0, e0, s1, e1...
-    # (empty: a short iteration, or none; see ARRIVALS_FROM_NS)
-    arrivals: tuple[int, ...] = ()
-
-    def fields(self) -> dict:
-        out = {"rank": self.rank, "index": self.index, "start_ns": self.start_ns,
-               "dur_ns": self.dur_ns, "period_calls": self.period_calls,
-               "comm_ns": self.comm_ns, "compute_ns": self.compute_ns,
-               "p2p_ns": self.p2p_ns, "period": self.period}
-        if self.arrivals:
-            out["arrivals"] = list(self.arrivals)
-        return out
-
-    @classmethod
-    def from_fields(cls, rank: int | None, d: dict) -> "IterationRecord":
-        """The record `fields()` (or an agent's item of ITERATION_FIELDS)
-        wrote; a field an older agent or recording lacks takes its default."""
-        return cls(rank, **{k: tuple(map(int, d[k])) if k == "arrivals" else int(d[k])
-                            for k in ITERATION_FIELDS if k in d})
-
-
-# What a node's agent publishes of each iteration (its rank is the key):
-# all of it, so that the controller's analysis reads what the agent's did.
-ITERATION_FIELDS = tuple(f.name for f in dataclasses.fields(IterationRecord) if f.name != "rank")
-
-
-@dataclass(frozen=True)
-class PatternChange:
-    """The per-iteration call pattern was (re-)estimated."""
-    rank: int | None
-    period_calls: int
-    previous: int | None   # the period before, None the first time
-    reason: str            # "locked" (first estimate) or "changed"
-    at_ns: int
-    acf_peak: float        # adjusted ACF at the period
-    anchor_score: float    # share of iterations the anchor marks cleanly
-    gap_classes: bool      # whether long host gaps were needed to see the period
-
-    def fields(self) -> dict:
-        return {"rank": self.rank, "period_calls": int(self.period_calls),
-                "previous": None if self.previous is None else int(self.previous),
-                "reason": self.reason, "acf_peak": round(self.acf_peak, 4),
-                "anchor_score": round(self.anchor_score, 4), "gap_classes": self.gap_classes}
 
 
 class IterationEstimator:
@@ -144,9 +88,16 @@ class IterationEstimator:
     provisional: a step of more same-type calls than a third of those (PPO's
     minibatch all-reduces) shows its period only in a longer window, so the
     calls since the lock are searched again as they grow by a quarter, up
-    to the window; a longer period found replaces it ("changed"). After 48
-    calls, a rank of one call a step slowed to 4 a second locked 12 s after
-    the attach (examples/evolution_strategies.py, held out: named at 15.0 s).
+    to the window; a longer period found replaces it ("changed") where the
+    lock's own search could not reach it (longer than a third of its calls)
+    and every other rank of the job (``offers``, from the job's pipeline)
+    offers the same period. After 48 calls, a rank of one call a step
+    slowed to 4 a second locked 12 s after the attach
+    (examples/evolution_strategies.py, held out: named at 15.0 s). Taken
+    on one rank alone, a longer period parted the job's ranks: a healthy
+    top-k compression rank's gaps later showed its two all-gathers a step, a
+    throttled one's did not (examples/topk_compression.py, held out: named
+    at 33 s).
 
     Until a period is locked, ``state`` is "warming_up" and nothing is
     guessed.
@@ -170,6 +121,8 @@ class IterationEstimator:
         # The job's other ranks' `rhythm` now (set by the job's pipeline,
         # read only when a decision needs them); None: a rank alone.
         self.peers: Callable[[], list[int | None]] | None = None
+        # Their `offer` now: a longer period than one is taken only as they agree.
+        self.offers: Callable[[], list[int | None]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -197,10 +150,13 @@ class IterationEstimator:
         self._last_anchor: int | None = None  # global index
         self._prev_end: int | None = None     # end of the previous iteration (ns)
         self._scanned = 0           # global index up to which anchors were searched
+        self._match_from = 0        # global index: where the lock's matching began
         self._irregular = 0
         self._seen = 0              # calls fed so far
         self._try_at = self.min_calls   # call count at which to estimate next
         self._one_from: int | None = None  # global index: a provisional period of one's calls
+        self._one_reach = 0         # the longest period its lock's search could see
+        self._proposal: tuple | None = None  # (global lo, search result): a longer one found
         self.index = 0
         self.skipped = 0
 
@@ -276,7 +232,7 @@ class IterationEstimator:
                 self._last_anchor = None
         if self.state == "locked":
             out += self._match()
-        if self.state == "locked" and self._one_from is not None and self._seen >= self._try_at:
+        if self.state == "locked" and self._one_from is not None:
             out += self._recheck_one()
         if self.state != "locked" and self._seen >= self._try_at:
             self._held = None           # an open question's iterations: not the new lock's
@@ -325,7 +281,8 @@ class IterationEstimator:
         return None
 
     def _n_since_anchor(self) -> int:
-        base = self._last_anchor if self._last_anchor is not None else self._offset
+        base = self._last_anchor if self._last_anchor is not None \
+            else max(self._offset, self._match_from)
         return self._offset + len(self._types) - base
 
     def _tokens(self, lo: int, hi: int) -> np.ndarray:
@@ -337,20 +294,49 @@ class IterationEstimator:
     # -- period and anchor -----------------------------------------------------------
 
     def _recheck_one(self) -> list:
-        """A provisional period of one: its calls so far searched for a
-        longer period (none of one call type: the types alone cannot show
-        one, their host gaps can)."""
+        """A provisional period of one: its calls so far searched again, as
+        they grow, for a longer period (none of one call type: the types
+        alone cannot show one, their host gaps can). Only a period the
+        lock's own search could not reach replaces it, and only once every
+        other rank of the job offers it too (`offer`)."""
         lo = max(self._one_from - self._offset, 0)
         if len(self._types) - lo >= self.window:
-            self._one_from = None           # a whole window of it: it stands
+            self._one_from = self._proposal = None   # a whole window of it: it stands
             return []
+        if self._seen >= self._try_at:
+            found = self._search(lo, one_call=False)
+            # A shorter period, passed over at the lock, that a healthy
+            # rank's gaps show later (top-k compression's two all-gathers a
+            # step) and a throttled rank's do not: the job's ranks' periods
+            # would part (examples/topk_compression.py, named 33 s late).
+            if found is not None and found[0] > self._one_reach:
+                self._proposal = (self._offset + lo, found)
+        if self._proposal is None:
+            return []
+        start, found = self._proposal
+        if start < self._offset:
+            self._proposal = None           # its calls are gone: searched again later
+            return []
+        # A throttled rank's gaps can show its quota's cadence (36 calls on
+        # a top-k rank); the step shows on every rank.
+        if self.offers is not None and any(o != found[0] for o in self.offers()):
+            return []
+        self._proposal = None
         scanned = self._scanned
-        change = self._estimate_from(lo, one_call=False)
-        if change is None:
-            return []
-        # Its iterations from here on: the calls before were reported already.
-        self._scanned = max(self._scanned, scanned - len(self._anchor))
+        change = self._lock(start - self._offset, *found)
+        # Its iterations from here on: the calls before were reported already
+        # (and its first anchor is looked for from here, not from its calls'
+        # start: found long before the job's ranks agreed, it relocked).
+        self._scanned = self._match_from = max(self._scanned, scanned - len(self._anchor))
         return [change] + self._match()
+
+    @property
+    def offer(self) -> int | None:
+        """The period this rank offers its peers: a longer one its period of
+        one's search found, else the period it is locked on (None: none)."""
+        if self._proposal is not None:
+            return self._proposal[1][0]
+        return self.period if self.state == "locked" else None
 
     def _estimate(self) -> PatternChange | None:
         # Estimate on the calls since the last anchor (a new pattern), at most a window.
@@ -366,6 +352,12 @@ class IterationEstimator:
         return self._estimate_from(lo, one_call=True)
 
     def _estimate_from(self, lo: int, one_call: bool) -> PatternChange | None:
+        found = self._search(lo, one_call)
+        return None if found is None else self._lock(lo, *found)
+
+    def _search(self, lo: int, one_call: bool) -> tuple | None:
+        """The period of the calls from buffer position lo on, and its
+        anchor's phase, gap threshold and longest lag searched; None: none."""
         n = len(self._types) - lo
         # A pipeline stage's step holds its collective (STEP_COLLECTIVE_EVERY).
         colls = int(self._coll[lo:].sum()) if self._p2p[lo:].any() else 0
@@ -403,8 +395,14 @@ class IterationEstimator:
             best = (1, len(toks0) - 1, 1.0, 1.0, False, None)
         if best is None:
             return None
+        return (*best, colls, nlags, one)
+
+    def _lock(self, lo: int, period: int, phase: int, score: float, peak: float, waived,
+              thr: int | None, colls: int, nlags: int, one: bool) -> PatternChange:
+        """Lock on a period `_search` found (phase: index into the window from lo)."""
         self._one_from = self._offset + lo if one else None
-        period, phase, score, peak, waived, thr = best     # phase: index into the window
+        self._one_reach = nlags
+        self._proposal = None
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
         kk = anchor_length(period, int(toks.max()) + 1, self.anchor_k)
@@ -419,7 +417,7 @@ class IterationEstimator:
         self._own_ok = False
         self.state = "locked"
         self._irregular = 0
-        self._scanned = self._offset + lo
+        self._scanned = self._match_from = self._offset + lo
         self._last_anchor = None
         self._prev_end = None
         return PatternChange(self.rank, period, previous,

@@ -103,12 +103,17 @@ class JobPipeline:
             # Whether the other ranks repeat the same point-to-point exchange
             # (IterationEstimator: peers' collectives are not a pipeline step's).
             est.peers = partial(self._rhythms, key)
+            # Whether they find the same longer period than one (a step).
+            est.offers = partial(self._offers, key)
             self.ranks[key] = RankState(
                 key, rank, est, SlowdownDetector(scope="rank", threshold=self.threshold,
                                                  min_probability=self.min_probability))
 
     def _rhythms(self, key: int) -> list[int | None]:
         return [o.estimator.rhythm for k, o in self.ranks.items() if k != key]
+
+    def _offers(self, key: int) -> list[int | None]:
+        return [o.estimator.offer for k, o in self.ranks.items() if k != key]
 
     def retire(self, key: int) -> None:
         """A rank exited (or its node's agent was lost): it leads and counts
