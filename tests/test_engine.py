@@ -290,6 +290,36 @@ def test_one_call_type_with_phases_in_its_gaps_is_not_a_period_of_one():
     assert median_error(cs, recs) <= 0.01
 
 
+@pytest.mark.parametrize("peers,expect", [
+    (None, [("locked", 3)]),            # a rank alone
+    ([3, 0], [("locked", 3)]),          # the others on it, or of several call types
+    ([1, 1], [("locked", 1)]),          # the others at one: it is one too
+    ([3, None], [("locked", 1), ("changed", 3)]),   # one not locked yet: one meanwhile
+])
+def test_a_period_in_one_call_types_gaps_is_taken_as_the_jobs_ranks_agree(peers, expect):
+    # Three same-size calls a step, its phases in the gaps alone (top-k
+    # compression's two all-gathers a step are one type: a throttled rank's
+    # gaps showed no phases where a healthy one's did, or the other way
+    # round, and the ranks' iterations no longer compared).
+    cs = call_stream(3, n_iter=400, ntypes=1, cv=0.1, seed=4)
+    est = IterationEstimator()
+    if peers is not None:
+        est.offers = lambda: peers
+    out = []
+    for i in range(0, len(cs.types), 5):
+        if i >= 300 and peers == [3, None]:
+            peers = [3, 3]
+        out += est.feed(cs.types[i:i + 5], cs.start_ns[i:i + 5], cs.dur_ns[i:i + 5])
+    pcs = [o for o in out if isinstance(o, PatternChange)]
+    assert [(p.reason, p.period_calls) for p in pcs] == expect
+    if expect[0] == ("locked", 1):
+        assert pcs[0].at_ns == cs.start_ns[ONE_CALL_MIN_CALLS - 1]
+    if len(expect) == 2:
+        assert pcs[1].at_ns >= cs.start_ns[300]
+        assert median_error(cs, [o for o in out if isinstance(o, IterationRecord)
+                                 and o.period == 3]) <= 0.01
+
+
 def test_a_new_call_type_after_a_period_of_one_relocks():
     one = call_stream(1, n_iter=200, ntypes=1, seed=5)
     two = call_stream(2, n_iter=200, ntypes=6, seed=6, t0_ns=int(one.start_ns[-1]) + 10**8)

@@ -10,14 +10,14 @@ from typing import Callable
 
 import numpy as np
 
-from . import _kernels, exchange
+from . import _kernels, exchange, onetype
 from .anchors import anchor_length, otsu_threshold
 from .patterns import ITERATION_FIELDS, IterationRecord, PatternChange  # noqa: F401
 
 # Calls of one type seen before each one is taken for an iteration: two
 # first tries (16 calls each) that found no longer period in their gaps.
 # Provisional: the longer periods 32 calls cannot show (3 repeats of at most
-# 10) are looked for again as the window grows (see the class docstring).
+# 10) are looked for again as the window grows (engine/onetype.py).
 ONE_CALL_MIN_CALLS = 32
 # A pipeline stage's point-to-point calls repeat once per micro-batch, and
 # its step's collective (the gradients' all-reduce, a global-norm clip) once
@@ -85,19 +85,9 @@ class IterationEstimator:
     calls with no longer period found, each call is an iteration (period 1,
     from one call's end to the next one's). A call of another type later
     breaks the match and the period is estimated again. A period of one is
-    provisional: a step of more same-type calls than a third of those (PPO's
-    minibatch all-reduces) shows its period only in a longer window, so the
-    calls since the lock are searched again as they grow by a quarter, up
-    to the window; a longer period found replaces it ("changed") where the
-    lock's own search could not reach it (longer than a third of its calls)
-    and every other rank of the job (``offers``, from the job's pipeline)
-    offers the same period. After 48 calls, a rank of one call a step
-    slowed to 4 a second locked 12 s after the attach
-    (examples/evolution_strategies.py, held out: named at 15.0 s). Taken
-    on one rank alone, a longer period parted the job's ranks: a healthy
-    top-k compression rank's gaps later showed its two all-gathers a step, a
-    throttled one's did not (examples/topk_compression.py, held out: named
-    at 33 s).
+    provisional, and a period of one type's calls seen in their gaps alone
+    is taken only as the job's other ranks (``offers``, from the job's
+    pipeline) agree: engine/onetype.py.
 
     Until a period is locked, ``state`` is "warming_up" and nothing is
     guessed.
@@ -121,7 +111,7 @@ class IterationEstimator:
         # The job's other ranks' `rhythm` now (set by the job's pipeline,
         # read only when a decision needs them); None: a rank alone.
         self.peers: Callable[[], list[int | None]] | None = None
-        # Their `offer` now: a longer period than one is taken only as they agree.
+        # Their `offer` now: a period of one call type's gaps is taken as they agree.
         self.offers: Callable[[], list[int | None]] | None = None
         self.reset()
 
@@ -156,7 +146,8 @@ class IterationEstimator:
         self._try_at = self.min_calls   # call count at which to estimate next
         self._one_from: int | None = None  # global index: a provisional period of one's calls
         self._one_reach = 0         # the longest period its lock's search could see
-        self._proposal: tuple | None = None  # (global lo, search result): a longer one found
+        self._proposal: tuple | None = None  # (global lo, search result): see onetype.py
+        self._one_type = False      # the lock's calls were all of one type
         self.index = 0
         self.skipped = 0
 
@@ -234,9 +225,10 @@ class IterationEstimator:
             out += self._match()
         if self.state == "locked" and self._one_from is not None:
             out += self._recheck_one()
-        if self.state != "locked" and self._seen >= self._try_at:
+        if self.state != "locked" and (self._seen >= self._try_at or self._proposal):
             self._held = None           # an open question's iterations: not the new lock's
-            change = self._estimate()
+            # (a period proposed: taken if the job's other ranks agree now)
+            change = self._estimate() if self._seen >= self._try_at else self._take_proposal()
             if change:
                 out.append(change)
                 out += self._match()
@@ -294,49 +286,47 @@ class IterationEstimator:
     # -- period and anchor -----------------------------------------------------------
 
     def _recheck_one(self) -> list:
-        """A provisional period of one: its calls so far searched again, as
-        they grow, for a longer period (none of one call type: the types
-        alone cannot show one, their host gaps can). Only a period the
-        lock's own search could not reach replaces it, and only once every
-        other rank of the job offers it too (`offer`)."""
+        """A provisional period of one: its calls searched again as they grow,
+        for a longer period its lock's search could not reach (onetype.py)."""
         lo = max(self._one_from - self._offset, 0)
         if len(self._types) - lo >= self.window:
             self._one_from = self._proposal = None   # a whole window of it: it stands
             return []
         if self._seen >= self._try_at:
             found = self._search(lo, one_call=False)
-            # A shorter period, passed over at the lock, that a healthy
-            # rank's gaps show later (top-k compression's two all-gathers a
-            # step) and a throttled rank's do not: the job's ranks' periods
-            # would part (examples/topk_compression.py, named 33 s late).
             if found is not None and found[0] > self._one_reach:
                 self._proposal = (self._offset + lo, found)
-        if self._proposal is None:
-            return []
-        start, found = self._proposal
-        if start < self._offset:
-            self._proposal = None           # its calls are gone: searched again later
-            return []
-        # A throttled rank's gaps can show its quota's cadence (36 calls on
-        # a top-k rank); the step shows on every rank.
-        if self.offers is not None and any(o != found[0] for o in self.offers()):
-            return []
-        self._proposal = None
         scanned = self._scanned
-        change = self._lock(start - self._offset, *found)
-        # Its iterations from here on: the calls before were reported already
-        # (and its first anchor is looked for from here, not from its calls'
-        # start: found long before the job's ranks agreed, it relocked).
+        change = self._take_proposal()
+        if change is None:
+            return []
+        # Its iterations from here on (the calls before were reported), and
+        # its first anchor looked for from here, not from its calls' start.
         self._scanned = self._match_from = max(self._scanned, scanned - len(self._anchor))
         return [change] + self._match()
 
+    def _take_proposal(self) -> PatternChange | None:
+        """Locks on the period proposed where the job's other ranks agree."""
+        if self._proposal is None:
+            return None
+        start, found = self._proposal
+        if start < self._offset:
+            self._proposal = None           # its calls are gone: searched again later
+            return None
+        if not onetype.agree(self.offers() if self.offers else None, found[0]):
+            return None
+        return self._lock(start - self._offset, *found)
+
     @property
     def offer(self) -> int | None:
-        """The period this rank offers its peers: a longer one its period of
-        one's search found, else the period it is locked on (None: none)."""
+        """What the job's other ranks read of this one (onetype.agree): the
+        period proposed, else the one locked on where its calls are of one
+        type, 0 where of several, None while not locked."""
         if self._proposal is not None:
             return self._proposal[1][0]
-        return self.period if self.state == "locked" else None
+        if self.state != "locked":
+            return None
+        return self.period if self._one_type else 0
 
     def _estimate(self) -> PatternChange | None:
         # Estimate on the calls since the last anchor (a new pattern), at most a window.
@@ -352,8 +342,20 @@ class IterationEstimator:
         return self._estimate_from(lo, one_call=True)
 
     def _estimate_from(self, lo: int, one_call: bool) -> PatternChange | None:
+        self._proposal = None
         found = self._search(lo, one_call)
-        return None if found is None else self._lock(lo, *found)
+        if found is None:
+            return None
+        toks = self._types[lo:]
+        if found[0] > 1 and found[5] is not None and toks.min() == toks.max() and self.offers:
+            # One call type, its period in its gaps alone: taken as the job's
+            # other ranks agree, a provisional period of one meanwhile.
+            self._proposal = (self._offset + lo, found)
+            change = self._take_proposal()
+            if change is not None or len(toks) < ONE_CALL_MIN_CALLS:
+                return change
+            found = (1, len(toks) - 1, 1.0, 1.0, False, None, *found[6:8], True)
+        return self._lock(lo, *found)
 
     def _search(self, lo: int, one_call: bool) -> tuple | None:
         """The period of the calls from buffer position lo on, and its
@@ -402,7 +404,9 @@ class IterationEstimator:
         """Lock on a period `_search` found (phase: index into the window from lo)."""
         self._one_from = self._offset + lo if one else None
         self._one_reach = nlags
-        self._proposal = None
+        if not one:
+            self._proposal = None       # (a period of one meanwhile keeps it)
+        self._one_type = bool(self._types[lo:].min() == self._types[lo:].max())
         self._gap_thr = thr
         toks = self._tokens(lo, len(self._types))
         kk = anchor_length(period, int(toks.max()) + 1, self.anchor_k)
