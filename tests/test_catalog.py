@@ -35,7 +35,8 @@ def test_issue_functions_present():
     assert CAT.families["cudart"].counters == ("cudaLaunchKernel",)
     gloo = {f.name for f in CAT.families["gloo"].functions}
     assert {"gloo::allreduce", "gloo::allgather", "gloo::allgatherv", "gloo::broadcast",
-            "gloo::barrier", "gloo::alltoall", "gloo::alltoallv"} <= gloo
+            "gloo::barrier", "gloo::alltoall", "gloo::alltoallv", "gloo::gather",
+            "gloo::scatter"} <= gloo
 
 
 def test_function_ids_are_dense_and_unique():

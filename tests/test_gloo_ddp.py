@@ -157,3 +157,21 @@ def test_sends_and_receives_returning_to_one_instruction_are_timed(ddp_job, trac
     assert all(calls[r, f] >= 100 for r in (0, 1)
                for f in ("gloo::send_wait", "gloo::recv_wait")), calls
     assert t.events("detach")[-1]["untimed"] <= 10 * 2, t.events("detach")
+
+
+def test_a_scatter_is_timed(ddp_job, tracer):
+    """dist.scatter over gloo (examples/scatter_batches.py: rank 0's input
+    pipeline sends each rank its shard, two scatters a step): every rank's
+    scatters are timed, and rank 1 waits in them for rank 0's augmentation
+    longer than rank 0, the source, does."""
+    job = ddp_job(2, 0, trainer="scatter", go=False)
+    t = tracer([job.proc.pid], "--calls", "-q", "--no-validate")
+    t.wait_attached(2, timeout=90)
+    wait_for(lambda: sum(c["fn"] == "gloo::scatter" for c in t.events("call")) >= 200, 90,
+             "the job's scatters")
+    assert t.stop() == 0
+    calls = [c for c in t.events("call") if c["fn"] == "gloo::scatter"]
+    per = Counter(c["rank"] for c in calls)
+    assert all(per[r] >= 80 for r in (0, 1)), per
+    waited = {r: sum(c["dur_ns"] for c in calls if c["rank"] == r) / per[r] for r in (0, 1)}
+    assert waited[1] > 1.5 * waited[0], waited
