@@ -213,7 +213,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "sparse_recsys", "gossip_sgd", "syncbn_cnn",
                                      "param_server", "ring_attention",
                                      "ulysses_attention", "evolution_strategies",
-                                     "topk_compression"])
+                                     "topk_compression", "scatter_batches"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -237,7 +237,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     chunks passed round the ranks in both passes; Ulysses sequence
     parallelism, heads and sequence swapped by all-to-alls; evolution
     strategies, no backward and one all-gather of returns; top-k
-    compressed gradients, all-gathered) stay runnable: 2
+    compressed gradients, all-gathered; rank 0's input pipeline scattering
+    each rank its shard) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -268,6 +269,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "ulysses_attention": ("--checksums", "--chunk", "32"),
              "evolution_strategies": ("--checksums", "--pairs", "4", "--horizon", "20"),
              "topk_compression": ("--checksums", "--width", "64"),
+             "scatter_batches": ("--checksums", "--log-every", "3"),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -525,3 +527,14 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     if example == "topk_compression":
         # Every rank sums every rank's top entries into the same update.
         assert_replicas_equal_and_training(mine)
+    if example == "scatter_batches":
+        # Each rank trains on its own shard of rank 0's batch (their losses
+        # differ), DDP keeps the replicas equal, and the loss all-reduced
+        # for the log every 3 steps is the ranks' mean.
+        assert_replicas_equal_and_training(mine)
+        assert all(mine[0, i]["loss"] != mine[1, i]["loss"] for i in range(6))
+        for i in (2, 5):
+            mean = (mine[0, i]["loss"] + mine[1, i]["loss"]) / 2
+            assert mine[0, i]["logged_loss"] == mine[1, i]["logged_loss"] \
+                == pytest.approx(mean, abs=1e-5), i
+        assert mine[0, 1]["logged_loss"] is None and mine[1, 4]["logged_loss"] is not None
