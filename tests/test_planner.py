@@ -122,6 +122,35 @@ def test_what_validation_named_is_not_measured_again():
     assert phases(p.consider(named(), int((7 + p.window_s) * S))) == ["request"]
 
 
+def test_a_rank_named_after_a_named_link_recovered_is_validated_at_once():
+    # A link validated slow, then lifted, the job recovered; a CPU quota on
+    # a rank next. Held as "perhaps the link seen otherwise" for 20 s of a
+    # slowdown, it was never measured where the quota's bursts kept ending
+    # the job's slowdowns (tests/test_cluster_live.py, the three nodes, in a
+    # clean-clone CI run at 9106b89: past the test's 150 s).
+    link = Diagnosis("validation", "communication", "x150", 10, (1,), link="node n1")
+    for recovered in (True, False):
+        p = ValidationPlanner()
+        slow(p, 0)
+        (req,) = p.consider(Diagnosis("passive", "communication", "waits", 10, (0, 1, 2)),
+                            2 * S)
+        finish(p, req, 5, 2.0, link)
+        if recovered:
+            p.observe({"kind": "recovery", "scope": "job", "time_ns": 20 * S})
+            slow(p, 30)
+        out = p.consider(named(), 32 * S)
+        assert phases(out) == (["request"] if recovered else ["deferred"]), recovered
+    # A rank named by validation (a plan's rebalance makes the job recover
+    # while the fault lasts): another rank after a recovery still waits.
+    p = ValidationPlanner()
+    slow(p, 0)
+    (req,) = p.consider(named(), 2 * S)
+    finish(p, req, 5, 2.0, Diagnosis("validation", "computation", "x5", 10, (2,)))
+    p.observe({"kind": "recovery", "scope": "job", "time_ns": 20 * S})
+    slow(p, 30)
+    assert phases(p.consider(named(rank=1), 32 * S)) == ["deferred"]
+
+
 def test_an_unknown_verdict_waits_for_its_slowdown_to_last():
     p = ValidationPlanner()
     slow(p, 0)

@@ -124,6 +124,7 @@ class ValidationPlanner:
     slow_since_ns: int | None = None             # onset of the job slowdown in progress
     slow_ratio: float = 1.0                      # its size (after / before)
     named_at_ns: int | None = None               # when validation last named a cause
+    recovered_ns: int | None = None              # when the job last recovered
     known: tuple | None = None                   # what it named: (cause, ranks, link)
     known_by: str = "validation"                 # or "the plan" (it ran as predicted)
     confirmed: int = 0                           # verdicts a plan confirmed (no pause)
@@ -143,6 +144,8 @@ class ValidationPlanner:
             self.slow_ratio = float(ev.get("ratio") or 1.0)
         elif ev["kind"] == "recovery":
             self.slow_since_ns, self.slow_ratio = None, 1.0
+            if ev.get("time_ns") is not None:
+                self.recovered_ns = int(ev["time_ns"])
 
     def pause(self, start_ns: int, end_ns: int) -> None:
         """A validation pause of the job, once over."""
@@ -219,8 +222,9 @@ class ValidationPlanner:
                                f"{(now_ns - self.named_at_ns) / 1e9:.0f} s ago: not measured "
                                "again"}]
         # Naming something else while a cause is known: perhaps that fault
-        # seen otherwise, so held as a verdict naming nothing is.
-        other = v.named and self._known_within(now_ns)
+        # seen otherwise, so held as a verdict naming nothing is. Not a link
+        # the job has recovered from since: that fault is over.
+        other = v.named and self._known_within(now_ns) and not self._link_over()
         if self.slow_since_ns is None and (not v.named or other):
             self.pending = None
             return []
@@ -317,6 +321,14 @@ class ValidationPlanner:
         """Validation (or a plan) named a cause within the budget's window."""
         return (self.known is not None and self.named_at_ns is not None
                 and now_ns - self.named_at_ns < self.window_s * 1e9)
+
+    def _link_over(self) -> bool:
+        """A link was named, and the job recovered since (a link that
+        recovered measures healthy): a verdict now is not that fault seen
+        otherwise. (A rank's slowness a plan hides recovers too: not over.)"""
+        return (self.known is not None and self.known[0] == "communication"
+                and self.recovered_ns is not None and self.named_at_ns is not None
+                and self.recovered_ns > self.named_at_ns)
 
     def _known_words(self) -> str:
         cause, ranks, link = self.known
