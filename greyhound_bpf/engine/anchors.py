@@ -1,10 +1,29 @@
 """Helpers of the iteration estimator's period search (iterations.py): how
-long an anchor must be, and which host gaps are long."""
+long an anchor must be, which host gaps are long, and what a search found."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
+
+
+class Found(NamedTuple):
+    """What a period search found (IterationEstimator._search)."""
+    period: int
+    phase: int              # where its anchor starts, in the calls searched
+    score: float            # the anchor's score
+    peak: float             # the ACF's peak at the period
+    waived: int | bool      # the pipeline rule's first period passed over (0: none)
+    thr: int | None         # the host-gap threshold of its gap classes (None: types alone)
+    colls: int              # collectives among the calls (a pipeline stage's window)
+    nlags: int              # the longest period the search could see
+    one: bool               # a period of one: one call type, no phases in its gaps
+
+    @classmethod
+    def of_one(cls, calls: int, colls: int, nlags: int) -> "Found":
+        """A period of one over `calls` calls (each call an iteration)."""
+        return cls(1, calls - 1, 1.0, 1.0, False, None, colls, nlags, True)
 
 
 def anchor_length(period: int, ntypes: int, minimum: int) -> int:

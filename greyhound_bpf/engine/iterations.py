@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from . import _kernels, exchange, onetype
-from .anchors import anchor_length, otsu_threshold
+from .anchors import Found, anchor_length, otsu_threshold
 from .patterns import ITERATION_FIELDS, IterationRecord, PatternChange  # noqa: F401
 
 # Calls of one type seen before each one is taken for an iteration: two
@@ -146,7 +146,7 @@ class IterationEstimator:
         self._try_at = self.min_calls   # call count at which to estimate next
         self._one_from: int | None = None  # global index: a provisional period of one's calls
         self._one_reach = 0         # the longest period its lock's search could see
-        self._proposal: tuple | None = None  # (global lo, search result): see onetype.py
+        self._proposal: tuple[int, Found] | None = None  # (global lo, found): onetype.py
         self._one_type = False      # the lock's calls were all of one type
         self.index = 0
         self.skipped = 0
@@ -294,7 +294,7 @@ class IterationEstimator:
             return []
         if self._seen >= self._try_at:
             found = self._search(lo, one_call=False)
-            if found is not None and found[0] > self._one_reach:
+            if found is not None and found.period > self._one_reach:
                 self._proposal = (self._offset + lo, found)
         scanned = self._scanned
         change = self._take_proposal()
@@ -313,9 +313,9 @@ class IterationEstimator:
         if start < self._offset:
             self._proposal = None           # its calls are gone: searched again later
             return None
-        if not onetype.agree(self.offers() if self.offers else None, found[0]):
+        if not onetype.agree(self.offers() if self.offers else None, found.period):
             return None
-        return self._lock(start - self._offset, *found)
+        return self._lock(start - self._offset, found)
 
     @property
     def offer(self) -> int | None:
@@ -323,7 +323,7 @@ class IterationEstimator:
         period proposed, else the one locked on where its calls are of one
         type, 0 where of several, None while not locked."""
         if self._proposal is not None:
-            return self._proposal[1][0]
+            return self._proposal[1].period
         if self.state != "locked":
             return None
         return self.period if self._one_type else 0
@@ -347,17 +347,18 @@ class IterationEstimator:
         if found is None:
             return None
         toks = self._types[lo:]
-        if found[0] > 1 and found[5] is not None and toks.min() == toks.max() and self.offers:
+        if found.period > 1 and found.thr is not None and toks.min() == toks.max() \
+                and self.offers:
             # One call type, its period in its gaps alone: taken as the job's
             # other ranks agree, a provisional period of one meanwhile.
             self._proposal = (self._offset + lo, found)
             change = self._take_proposal()
             if change is not None or len(toks) < ONE_CALL_MIN_CALLS:
                 return change
-            found = (1, len(toks) - 1, 1.0, 1.0, False, None, *found[6:8], True)
-        return self._lock(lo, *found)
+            found = Found.of_one(len(toks), found.colls, found.nlags)
+        return self._lock(lo, found)
 
-    def _search(self, lo: int, one_call: bool) -> tuple | None:
+    def _search(self, lo: int, one_call: bool) -> Found | None:
         """The period of the calls from buffer position lo on, and its
         anchor's phase, gap threshold and longest lag searched; None: none."""
         n = len(self._types) - lo
@@ -394,14 +395,12 @@ class IterationEstimator:
         if one:
             # One call type, and its gaps split it into no repeating phases:
             # one call per iteration (a small model's one DDP bucket).
-            best = (1, len(toks0) - 1, 1.0, 1.0, False, None)
-        if best is None:
-            return None
-        return (*best, colls, nlags, one)
+            return Found.of_one(len(toks0), colls, nlags)
+        return None if best is None else Found(*best, colls, nlags, False)
 
-    def _lock(self, lo: int, period: int, phase: int, score: float, peak: float, waived,
-              thr: int | None, colls: int, nlags: int, one: bool) -> PatternChange:
-        """Lock on a period `_search` found (phase: index into the window from lo)."""
+    def _lock(self, lo: int, found: Found) -> PatternChange:
+        """Lock on a period `_search` found (its phase: an index into the window from lo)."""
+        period, phase, score, peak, waived, thr, colls, nlags, one = found
         self._one_from = self._offset + lo if one else None
         self._one_reach = nlags
         if not one:

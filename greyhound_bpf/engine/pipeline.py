@@ -102,18 +102,16 @@ class JobPipeline:
             est = IterationEstimator(rank=rank, **self.estimator_args)
             # Whether the other ranks repeat the same point-to-point exchange
             # (IterationEstimator: peers' collectives are not a pipeline step's).
-            est.peers = partial(self._rhythms, key)
-            # Whether they find the same longer period than one (a step).
-            est.offers = partial(self._offers, key)
+            est.peers = partial(self._others, key, "rhythm")
+            # Whether they find the same period of one call type's gaps.
+            est.offers = partial(self._others, key, "offer")
             self.ranks[key] = RankState(
                 key, rank, est, SlowdownDetector(scope="rank", threshold=self.threshold,
                                                  min_probability=self.min_probability))
 
-    def _rhythms(self, key: int) -> list[int | None]:
-        return [o.estimator.rhythm for k, o in self.ranks.items() if k != key]
-
-    def _offers(self, key: int) -> list[int | None]:
-        return [o.estimator.offer for k, o in self.ranks.items() if k != key]
+    def _others(self, key: int, what: str) -> list[int | None]:
+        """What every other rank's estimator says of itself (`rhythm`, `offer`)."""
+        return [getattr(o.estimator, what) for k, o in self.ranks.items() if k != key]
 
     def retire(self, key: int) -> None:
         """A rank exited (or its node's agent was lost): it leads and counts
