@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .diagnosis.bandwidth import BandwidthFloor
+from .diagnosis.callcross import CallCross
 from .diagnosis.crosssection import CrossSection
 from .diagnosis.passive import PassiveDiagnoser
 from .diagnosis.planner import PAUSE_BUDGET, ValidationPlanner
@@ -182,6 +183,7 @@ class JobAnalysis:
         self.topology = Topology(catalog)
         self.passive = PassiveDiagnoser(topology=self.topology, activity=self.activity)
         self.cross = CrossSection()
+        self.callcross = CallCross(catalog, activity=self.activity)
         self.bandwidth = BandwidthFloor(catalog, topology=self.topology, activity=self.activity)
         self.planner = ValidationPlanner(enabled=c.validate, budget=c.pause_budget)
         self.policy = SkiRentalPolicy(global_microbatches=c.microbatches,
@@ -296,7 +298,8 @@ class JobAnalysis:
         rank_of = self.rank_of()
         self.topology.feed(recs, rank_of)
         out = self._engine(self.pipeline.feed_records(recs, rank_of))
-        return out + self._verdicts(self.bandwidth.feed(recs, rank_of), inp.t_ns)
+        return out + self._verdicts(self.bandwidth.feed(recs, rank_of) +
+                                    self.callcross.feed(recs, rank_of), inp.t_ns)
 
     def _iterations(self, inp: Iterations) -> list[dict]:
         r = self.ranks.get(inp.key)
@@ -325,7 +328,9 @@ class JobAnalysis:
         docs = {int(r): d for r, d in inp.docs.items()}
         self.acks_seen = docs
         self.policy.acks(docs)
-        self.cross.work({r: d.get("microbatches") for r, d in docs.items()})
+        work = {r: d.get("microbatches") for r, d in docs.items()}
+        self.cross.work(work)
+        self.callcross.work(work)
         self.policy.restart_observed_s = inp.restart_observed_s
         p = self.plan
         if p is None or not docs:
@@ -415,7 +420,8 @@ class JobAnalysis:
             if self._said_already(v, t_ns):
                 continue
             self.diagnoses.append(v)
-            ev = self._event("diagnosis", t_ns, **v.fields())
+            # Stamped when its evidence ends (a speed sample's, a call's).
+            ev = self._event("diagnosis", v.details["at_ns"], **v.fields())
             out.append(ev)
             acts = self._mitigate(ev)
             out += acts

@@ -436,38 +436,46 @@ def _pairs(ev: dict) -> tuple:
 
 def _arrivals(rows: dict, n: int, lead: int, s: int) -> tuple[float, int]:
     """Over the lead rank's collectives in its latest `n` iterations, each
-    with every other rank's same collective: the share in which rank s
-    started last (arrived last: the one the others waited for), and how
-    many were matched. Every rank issues its collectives in one order, so
-    the k-th of one is the (k + offset)-th of another; the offset is the
-    one under which most pairs overlap in time (none can leave a collective
-    before the last one enters, whatever their ends: a throttled rank
-    leaves a ring's all-reduce milliseconds after the others). A
-    collective counts where all its calls hold that instant."""
+    with every other rank's same collective (`align`): the share in which
+    rank s started last (arrived last: the one the others waited for), and
+    how many were matched."""
     calls = {r: sorted(c for x in (list(q)[-n:] if r == lead else q) for c in x[5])
              for r, q in rows.items()}
+    groups = [{r: calls[r][j] for r, j in g.items()} for g in align(calls, lead)]
+    last = sum(max(g, key=lambda r: g[r][0]) == s for g in groups)
+    return (last / len(groups) if groups else 0.0), len(groups)
+
+
+def align(calls: dict[int, list], lead: int) -> list[dict[int, int]]:
+    """The lead rank's collectives, each with every other rank's same one,
+    as {rank: index into its `calls` list of (start_ns, end_ns)}. Every rank
+    issues its collectives in one order, so the k-th of one is the
+    (k + offset)-th of another; the offset is the one under which most
+    pairs overlap in time (none can leave a collective before the last one
+    enters, whatever their ends: a throttled rank leaves a ring's all-reduce
+    milliseconds after the others). A collective counts where all its calls
+    hold that instant."""
     mine = calls[lead]
-    aligned = {lead: mine}
+    aligned = {lead: list(range(len(mine)))}
     for r, theirs in calls.items():
         if r == lead:
             continue
         offsets = {j - i for i, c in enumerate(mine[:4]) for j, d in enumerate(theirs)
                    if _overlap(c, d)}
         if not offsets:
-            return 0.0, 0
+            return []
         best = max(sorted(offsets), key=lambda k: sum(
             0 <= i + k < len(theirs) and _overlap(c, theirs[i + k]) for i, c in enumerate(mine)))
-        aligned[r] = [theirs[i + best] if 0 <= i + best < len(theirs) else None
+        aligned[r] = [i + best if 0 <= i + best < len(theirs) else None
                       for i in range(len(mine))]
-    matched = last = 0
+    groups = []
     for i in range(len(mine)):
-        group = {r: a[i] for r, a in aligned.items()}
-        if any(c is None for c in group.values()):
+        g = {r: a[i] for r, a in aligned.items()}
+        if any(j is None for j in g.values()):
             continue
-        if max(c[0] for c in group.values()) <= min(c[1] for c in group.values()):
-            matched += 1
-            last += max(group, key=lambda r: group[r][0]) == s
-    return (last / matched if matched else 0.0), matched
+        if max(calls[r][j][0] for r, j in g.items()) <= min(calls[r][j][1] for r, j in g.items()):
+            groups.append(g)
+    return groups
 
 
 def _overlap(a: tuple, b: tuple) -> bool:

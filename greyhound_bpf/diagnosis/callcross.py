@@ -1,0 +1,212 @@
+"""The cross-section call by call: who the others wait for at each
+collective, for a job too slow and too sparse in collectives to count its
+iterations in time. Pure: fed call records, as the bandwidth floor is.
+
+The cross-section (crosssection.py) compares the ranks' iterations, and a
+rank has iterations only once its call pattern has locked (16 calls at
+least, engine/iterations.py) and a window of them has passed. A job slow
+and sparse in collectives has neither within 15 s of an attach: a vision
+transformer with activation checkpointing (examples/vit_checkpoint.py)
+makes 3 all-reduces an iteration at 1-4 s each, and its straggler was
+named 16-43 s after the attach or the onset. Its collectives still say who
+is slow, one at a time: each waits for the last rank to arrive, and the
+time a rank spends between its collectives is its compute. Over the
+latest collectives of the lowest rank (those spanning SPAN_S, MIN_CALLS at
+least), each matched with every other rank's same one (crosssection.align:
+only collectives that hold every rank at one instant, so a mesh's or a
+pipeline's subgroups' do not count), and the one where the suspect's excess
+was largest left out whole (one checkpoint, one stall of the host, is not
+a fault), rank s is a computation straggler when
+
+- it arrived last at >= LAST_SHARE of them (the early look's bar);
+- its time between them exceeds the others' (their upper median) by >=
+  EXCESS of the job's time over them and by >= REL_EXCESS of theirs, while
+  the others spend >= WAIT_SHARE of its excess longer inside them: the
+  medians' test of the cross-section, over calls instead of iterations;
+- and on two looks in a row, the evidence from the first one's window on
+  spanning SPAN_S (WINDOW_S + MIN_S), as the cross-section's verdict on a
+  slow job needs.
+
+Only where the iterations cannot be counted in time: once the lowest
+rank's calls span SPAN_S (its pace known), and only while it made fewer
+than MIN_ARRIVALS collectives over SPAN_S (what the early look needs over
+that span). Not under an uneven split of the work (a plan in force), nor
+over calls Greyhound's own activity overlapped. Only blocking collectives
+count (gloo's): an NCCL call only enqueues, and its host-side time says
+nothing of who arrived last.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import numpy as np
+
+from ..engine.activity import ActivityLog
+from ..probe.catalog import Catalog
+from .crosssection import (EXCESS, LAST_SHARE, MIN_ARRIVALS, MIN_S, REL_EXCESS, WAIT_SHARE,
+                           WINDOW_S, align)
+from .verdict import Diagnosis
+
+# A look's fewest collectives: two iterations' worth of the sparse job
+# (3 all-reduces each), where the early look asks for 24 at a job that
+# makes that many in two iterations. The last-arrival share alone would be
+# weak over so few (a healthy rank of three last at 5 of 6 by chance: 2%),
+# so the excess and wait tests of the cross-section go with it.
+MIN_CALLS = 6
+KEEP = 96             # collectives kept per rank
+# A look's span: what the cross-section's verdict on a slow job needs its
+# evidence to span (a busy host's burst on one rank, seconds long, is
+# diluted in it, where a fault's excess is not).
+SPAN_S = WINDOW_S + MIN_S
+
+
+class CallCross:
+    def __init__(self, catalog: Catalog, activity: ActivityLog | None = None):
+        self._coll = np.zeros(max(len(catalog.functions), 1) + 1, dtype=bool)
+        for fn in catalog.functions:
+            if fn.kind == "collective" and fn.blocking:
+                self._coll[fn.fid] = True
+        self.activity = activity if activity is not None else ActivityLog()
+        self.calls: dict[int, deque] = {}    # rank -> (gap_ns or None, start_ns, end_ns)
+        self._ends: dict[int, int] = {}      # rank -> the latest end of its collectives
+        self._streak: list[tuple[int, int, int]] = []   # (suspect, look's end, window's start)
+        self._quiet = 0
+        self.named: int | None = None
+        self.last: dict | None = None        # the numbers of the last look
+        self._uneven = False
+        self._looked: int | None = None      # the end of the last look's window
+
+    def work(self, microbatches: dict[int, int | None] | None) -> None:
+        """An uneven split of the work (a plan in force) stops the looks: a
+        rank given more work is no straggler, and calls carry no share."""
+        m = {n for n in (microbatches or {}).values() if isinstance(n, int) and n > 0}
+        uneven = len(m) > 1
+        if uneven != self._uneven:
+            self._uneven, self._streak = uneven, []
+
+    def feed(self, recs: np.ndarray, rank_of: dict[int, int | None]) -> list[Diagnosis]:
+        if len(recs) == 0:
+            return []
+        fn = np.minimum(recs["fn"].astype(np.int64), len(self._coll) - 1)
+        sel = recs[self._coll[fn] & (recs["dur_ns"] > 0)]
+        if len(sel) == 0:
+            return []
+        fresh = False
+        for pid in np.unique(sel["pid"]).tolist():
+            rank = rank_of.get(pid)
+            if rank is None:
+                continue
+            mine = sel[sel["pid"] == pid]
+            mine = mine[np.argsort(mine["start_ns"], kind="stable")]
+            start = mine["start_ns"].astype(np.int64)
+            end = start + mine["dur_ns"].astype(np.int64)
+            prev = self._ends.get(rank)
+            # Each gap from the latest end before it (two of a rank's
+            # collectives at once, gloo's pool of two threads: none).
+            before = np.maximum.accumulate(np.concatenate(([prev or 0], end)))[:-1]
+            gaps = np.maximum(start - before, 0).tolist()
+            if prev is None:
+                gaps[0] = None
+            q = self.calls.get(rank)
+            if q is None:
+                q = self.calls[rank] = deque(maxlen=KEEP)
+            q.extend(zip(gaps, start.tolist(), end.tolist()))
+            self._ends[rank] = max(prev or 0, int(end.max()))
+            fresh = True
+        return self._look() if fresh else []
+
+    def _window(self, lead: int) -> list[dict[int, int]] | None:
+        """The lead rank's latest matched collectives that every rank's
+        records have reached, spanning WINDOW_S and MIN_CALLS at least; None
+        where the job is not one to look at (module docstring)."""
+        q = self.calls[lead]
+        horizon = min(x[-1][2] for x in self.calls.values())
+        mine = [x for x in q if x[2] <= horizon]
+        if not mine:
+            return None
+        end = mine[-1][2]
+        if end - mine[0][1] < SPAN_S * 1e9 or \
+                sum(x[1] >= end - SPAN_S * 1e9 for x in mine) >= MIN_ARRIVALS:
+            return None             # its pace unknown yet, or the iterations' looks will do
+        idx = {r: list(x) for r, x in self.calls.items()}
+        idx[lead] = mine
+        calls = {r: [(x[1], x[2]) for x in v] for r, v in idx.items()}
+        groups = align(calls, lead)
+        # Whole: every rank's gap known, none of it in our own activity.
+        whole = [g for g in groups if all(idx[r][j][0] is not None for r, j in g.items())
+                 and not any(self.activity.disturbing(idx[r][j][1] - idx[r][j][0], idx[r][j][2])
+                             for r, j in g.items())]
+        starts = [idx[lead][g[lead]][1] for g in whole]
+        k = sum(t >= end - SPAN_S * 1e9 for t in starts)
+        take = whole[-max(k, MIN_CALLS):]
+        if len(take) < MIN_CALLS:
+            return None
+        return [{r: idx[r][j] for r, j in g.items()} for g in take]
+
+    def _test(self, win: list[dict]) -> tuple[bool, dict]:
+        ranks = sorted(win[0])
+        gap = {r: [g[r][0] / 1e6 for g in win] for r in ranks}
+        comp = {r: sum(v) for r, v in gap.items()}
+        s = max(comp, key=comp.get)
+        others = [r for r in ranks if r != s]
+        each = [gap[s][i] - statistics.median_high(gap[r][i] for r in others)
+                for i in range(len(win))]
+        # Its largest excess left out, with the whole of that collective.
+        top = max(range(len(win)), key=lambda i: each[i])
+        win = win[:top] + win[top + 1:]
+        gap = {r: v[:top] + v[top + 1:] for r, v in gap.items()}
+        comp = {r: sum(v) for r, v in gap.items()}
+        inside = {r: sum((g[r][2] - g[r][1]) / 1e6 for g in win) for r in ranks}
+        last = [max(g, key=lambda r: g[r][1]) for g in win]
+        c_o = statistics.median_high(comp[r] for r in others)
+        excess = comp[s] - c_o
+        span = statistics.median(comp[r] + inside[r] for r in ranks)
+        waited = statistics.median(inside[r] for r in others) - inside[s]
+        share = last.count(s) / len(win)
+        ok = (share >= LAST_SHARE and excess >= EXCESS * span
+              and excess >= REL_EXCESS * c_o and waited >= WAIT_SHARE * excess)
+        return ok, {"suspect": s, "collectives": len(win), "last_share": round(share, 3),
+                    "span_ms": round(span, 1), "excess_ms": round(excess, 1),
+                    "waited_ms": round(waited, 1),
+                    "ranks": {str(r): {"compute_ms": round(comp[r], 1),
+                                       "comm_ms": round(inside[r], 1)} for r in ranks}}
+
+    def _look(self) -> list[Diagnosis]:
+        if self._uneven or len(self.calls) < 2:
+            return []
+        lead = min(self.calls)
+        win = self._window(lead)
+        if win is None:
+            self._streak = []
+            return []
+        t, lo = win[-1][lead][2], win[0][lead][1] - win[0][lead][0]
+        if t == self._looked:
+            return []                                # no new collective
+        self._looked = t
+        ok, self.last = self._test(win)
+        s = self.last["suspect"]
+        if not ok:
+            self._streak = []
+            self._quiet += 1
+            if self._quiet >= 3:
+                self.named = None
+            return []
+        self._quiet = 0
+        if self._streak and self._streak[-1][0] != s:
+            self._streak = []
+        self._streak.append((s, t, lo))
+        if len(self._streak) < 2 or t - self._streak[0][2] < SPAN_S * 1e9 \
+                or self.named == s:
+            return []
+        self.named = s
+        n = self.last
+        details = {"method": "cross-section", "calls": True, "at_ns": t,
+                   "since_ns": self._streak[0][1], **n}
+        return [Diagnosis(
+            "passive", "computation",
+            f"rank {s} arrived last at {100 * n['last_share']:.0f}% of the job's latest "
+            f"{n['collectives']} collectives and spends {n['excess_ms']:.0f} ms longer between "
+            f"them than the others (of {n['span_ms']:.0f} ms), while they wait "
+            f"{n['waited_ms']:.0f} ms longer inside them: it is the straggler now, whatever "
+            "the job did before", None, (s,), details=details)]

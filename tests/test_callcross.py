@@ -1,0 +1,127 @@
+"""The cross-section call by call (diagnosis/callcross.py) fed synthetic
+gloo all-reduce records in the real record layout (probe.records.CALL_DTYPE):
+a slow job with few collectives an iteration gets its straggler named from
+the calls alone; a healthy one, one long stall, subgroups, a job with many
+collectives an iteration, Greyhound's own activity and a plan's uneven split
+get nothing."""
+import random
+
+import numpy as np
+
+from greyhound_bpf.diagnosis.callcross import CallCross
+from greyhound_bpf.engine.activity import ActivityLog
+from greyhound_bpf.probe.catalog import load_catalog
+from greyhound_bpf.probe.records import CALL_DTYPE
+
+CAT = load_catalog()
+ALLREDUCE = CAT.by_name["gloo::allreduce"]
+S = 1_000_000_000
+
+
+def job(compute_ms, iterations, calls=3, jitter=0.1, seed=0, stall=None, groups=None, t0=0):
+    """Records of a data-parallel job: every iteration each rank computes
+    its `compute_ms[r]` (x a jitter), split over `calls` all-reduces (most of
+    it before the first: forward and backward, the rest between buckets),
+    and each all-reduce ends 20 ms after its last rank arrives. `stall`:
+    (rank, iteration, ms) more compute once. `groups`: rank sets that
+    all-reduce among themselves only."""
+    rnd = random.Random(seed)
+    ranks = sorted(compute_ms)
+    groups = groups or [ranks]
+    split = [0.8] + [0.2 / (calls - 1)] * (calls - 1) if calls > 1 else [1.0]
+    free = dict.fromkeys(ranks, t0)          # when each rank left its last call
+    out = []
+    for i in range(iterations):
+        for share in split:
+            arrive = {}
+            for r in ranks:
+                c = compute_ms[r] * share * rnd.uniform(1 - jitter, 1 + jitter)
+                if stall and stall[:2] == (r, i) and share == split[0]:
+                    c += stall[2]
+                arrive[r] = free[r] + int(c * 1e6)
+            for g in groups:
+                done = max(arrive[r] for r in g) + 20_000_000
+                for r in g:
+                    end = done + rnd.randint(0, 2_000_000)
+                    out.append((100 + r, arrive[r], end - arrive[r]))
+                    free[r] = end
+    recs = np.zeros(len(out), dtype=CALL_DTYPE)
+    for k, (pid, start, dur) in enumerate(sorted(out, key=lambda x: x[1] + x[2])):
+        recs[k]["pid"], recs[k]["tid"], recs[k]["fn"] = pid, pid, ALLREDUCE.fid
+        recs[k]["start_ns"], recs[k]["dur_ns"] = start, dur
+    return recs
+
+
+def feed(cc, recs, every_ns=S // 2, ranks=None):
+    """In batches as the ring buffer is read: every half second, the calls
+    that ended in it."""
+    ranks = ranks or {100 + r: r for r in range(8)}
+    ends = recs["start_ns"] + recs["dur_ns"]
+    out, t = [], every_ns
+    while len(recs):
+        m = ends <= t
+        if m.any():
+            out += cc.feed(recs[m], ranks)
+        recs, ends, t = recs[~m], ends[~m], t + every_ns
+    return out
+
+
+def test_a_slow_sparse_jobs_straggler_is_named_from_its_calls_within_seconds():
+    # A second an iteration healthy, 3 all-reduces each (the checkpointed
+    # ViT's shape); rank 2 at a third of its speed from the start.
+    recs = job({0: 1000, 1: 1050, 2: 3000}, 12)
+    got = feed(CallCross(CAT), recs)
+    assert [(v.evidence, v.cause, v.ranks, v.details["method"], v.details["calls"])
+            for v in got] == [("passive", "computation", (2,), "cross-section", True)]
+    d = got[0].details
+    assert d["last_share"] >= 0.8 and d["excess_ms"] > 0.3 * d["span_ms"]
+    # Named within the goal's 15 s of the job's first call (its pace known
+    # over 6 s, then two looks), where counting its iterations takes 16
+    # calls, 16 s at 3 s an iteration, and a window of them after that.
+    assert d["at_ns"] - int(recs["start_ns"].min()) < 15 * S, d["at_ns"] / S
+    # Said once while it lasts.
+    assert len(feed(CallCross(CAT), job({0: 1000, 1: 1050, 2: 3000}, 40))) == 1
+
+
+def test_a_healthy_sparse_job_with_a_busy_rank_and_one_long_stall_gets_nothing():
+    cc = CallCross(CAT)
+    # Rank 0 does 10% more (logging), every rank jitters 20%, and rank 1
+    # stalls 5 s once (a checkpoint).
+    recs = job({0: 1100, 1: 1000, 2: 1000}, 150, jitter=0.2, seed=3, stall=(1, 40, 5000))
+    assert feed(cc, recs) == []
+    assert cc.last is not None and cc.last["collectives"] >= 5      # it did look
+    # Rank 0 does 30% more, last at nearly every collective, and it is the
+    # one that stalls: that collective is left out (its largest excess),
+    # and 30% more is no straggler.
+    recs = job({0: 1300, 1: 1000, 2: 1000}, 60, jitter=0.05, seed=4, stall=(0, 20, 5000))
+    assert feed(CallCross(CAT), recs) == []
+
+
+def test_a_job_with_many_collectives_an_iteration_is_left_to_the_iterations():
+    # 30 all-reduces an iteration at 300 ms: the iterations' looks name it
+    # within seconds; this look does not run.
+    cc = CallCross(CAT)
+    assert feed(cc, job({0: 300, 1: 300, 2: 900}, 40, calls=30)) == []
+    assert cc.last is None
+
+
+def test_subgroups_are_not_compared():
+    # Two pairs, each all-reducing on its own (a mesh's replicas): no
+    # collective holds every rank, so nothing is matched, whoever is slow.
+    cc = CallCross(CAT)
+    recs = job({0: 1000, 1: 1000, 2: 1000, 3: 3000}, 20, groups=[[0, 1], [2, 3]])
+    assert feed(cc, recs) == [] and cc.last is None
+
+
+def test_our_own_activity_and_an_uneven_split_keep_it_quiet():
+    log = ActivityLog()
+    log.update("p", "pause", 0, None)                # a validation pause that lasts
+    cc = CallCross(CAT, activity=log)
+    assert feed(cc, job({0: 1000, 1: 1000, 2: 3000}, 12)) == []
+    log.update("p", "pause", 0, 1)                    # over: the same job is named
+    assert len(feed(CallCross(CAT, activity=log), job({0: 1000, 1: 1000, 2: 3000}, 12))) == 1
+    cc = CallCross(CAT)
+    cc.work({0: 6, 1: 6, 2: 4})                       # a plan in force
+    assert feed(cc, job({0: 1000, 1: 1000, 2: 3000}, 12)) == []
+    cc.work({0: 5, 1: 5, 2: 5})                       # back to even
+    assert len(feed(cc, job({0: 1000, 1: 1000, 2: 3000}, 12, t0=60 * S))) == 1
