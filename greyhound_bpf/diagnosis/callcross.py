@@ -51,14 +51,17 @@ from .verdict import Diagnosis
 # A look's fewest collectives: two iterations' worth of the sparse job
 # (3 all-reduces each), where the early look asks for 24 at a job that
 # makes that many in two iterations. The last-arrival share alone would be
-# weak over so few (a healthy rank of three last at 5 of 6 by chance: 2%),
-# so the excess and wait tests of the cross-section go with it.
+# weak over so few (a healthy rank of three last at 4 of the 5 left by
+# chance: 4.5%), so the excess and wait tests of the cross-section go with it.
 MIN_CALLS = 6
 KEEP = 96             # collectives kept per rank
 # A look's span: what the cross-section's verdict on a slow job needs its
 # evidence to span (a busy host's burst on one rank, seconds long, is
 # diluted in it, where a fault's excess is not).
 SPAN_S = WINDOW_S + MIN_S
+# Looks in a row without a straggler before a named one may be named again
+# (the cross-section's `looks`).
+QUIET_LOOKS = 3
 
 
 class CallCross:
@@ -118,7 +121,7 @@ class CallCross:
 
     def _window(self, lead: int) -> list[dict[int, int]] | None:
         """The lead rank's latest matched collectives that every rank's
-        records have reached, spanning WINDOW_S and MIN_CALLS at least; None
+        records have reached, spanning SPAN_S and MIN_CALLS at least; None
         where the job is not one to look at (module docstring)."""
         q = self.calls[lead]
         horizon = min(x[-1][2] for x in self.calls.values())
@@ -189,7 +192,7 @@ class CallCross:
         if not ok:
             self._streak = []
             self._quiet += 1
-            if self._quiet >= 3:
+            if self._quiet >= QUIET_LOOKS:
                 self.named = None
             return []
         self._quiet = 0
