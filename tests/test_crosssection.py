@@ -238,8 +238,8 @@ def test_a_slow_job_is_named_on_the_span_of_its_evidence():
 
     class LooksOnly(CrossSection):
         def _lasted(self):
-            return (len(self._streak) >= self.looks
-                    and self._streak[-1][1] - self._streak[0][1] >= self.min_ns)
+            looks = self.streak.looks
+            return len(looks) >= self.looks and looks[-1][1] - looks[0][1] >= self.min_ns
     late = named_at(LooksOnly(), evs)
     assert (late[0][1] - attach) / 1e9 > 15.0
 

@@ -45,7 +45,7 @@ import numpy as np
 from ..engine.activity import ActivityLog
 from ..probe.catalog import Catalog
 from .crosssection import (EXCESS, LAST_SHARE, MIN_ARRIVALS, MIN_S, REL_EXCESS, WAIT_SHARE,
-                           WINDOW_S, align)
+                           WINDOW_S, Streak, align)
 from .verdict import Diagnosis
 
 # A look's fewest collectives: two iterations' worth of the sparse job
@@ -73,9 +73,7 @@ class CallCross:
         self.activity = activity if activity is not None else ActivityLog()
         self.calls: dict[int, deque] = {}    # rank -> (gap_ns or None, start_ns, end_ns)
         self._ends: dict[int, int] = {}      # rank -> the latest end of its collectives
-        self._streak: list[tuple[int, int, int]] = []   # (suspect, look's end, window's start)
-        self._quiet = 0
-        self.named: int | None = None
+        self.streak = Streak(QUIET_LOOKS)
         self.last: dict | None = None        # the numbers of the last look
         self._uneven = False
         self._looked: int | None = None      # the end of the last look's window
@@ -86,7 +84,7 @@ class CallCross:
         m = {n for n in (microbatches or {}).values() if isinstance(n, int) and n > 0}
         uneven = len(m) > 1
         if uneven != self._uneven:
-            self._uneven, self._streak = uneven, []
+            self._uneven, self.streak.looks = uneven, []
 
     def feed(self, recs: np.ndarray, rank_of: dict[int, int | None]) -> list[Diagnosis]:
         if len(recs) == 0:
@@ -175,13 +173,19 @@ class CallCross:
                     "ranks": {str(r): {"compute_ms": round(comp[r], 1),
                                        "comm_ms": round(inside[r], 1)} for r in ranks}}
 
+    def _lasted(self) -> bool:
+        """Two looks in a row, the evidence from the first one's window on
+        spanning SPAN_S."""
+        looks = self.streak.looks
+        return len(looks) >= 2 and looks[-1][1] - looks[0][2] >= SPAN_S * 1e9
+
     def _look(self) -> list[Diagnosis]:
         if self._uneven or len(self.calls) < 2:
             return []
         lead = min(self.calls)
         win = self._window(lead)
         if win is None:
-            self._streak = []
+            self.streak.looks = []
             return []
         t, lo = win[-1][lead][2], win[0][lead][1] - win[0][lead][0]
         if t == self._looked:
@@ -189,23 +193,11 @@ class CallCross:
         self._looked = t
         ok, self.last = self._test(win)
         s = self.last["suspect"]
-        if not ok:
-            self._streak = []
-            self._quiet += 1
-            if self._quiet >= QUIET_LOOKS:
-                self.named = None
+        if not self.streak.step(ok, s, t, lo, self._lasted):
             return []
-        self._quiet = 0
-        if self._streak and self._streak[-1][0] != s:
-            self._streak = []
-        self._streak.append((s, t, lo))
-        if len(self._streak) < 2 or t - self._streak[0][2] < SPAN_S * 1e9 \
-                or self.named == s:
-            return []
-        self.named = s
         n = self.last
         details = {"method": "cross-section", "calls": True, "at_ns": t,
-                   "since_ns": self._streak[0][1], **n}
+                   "since_ns": self.streak.looks[0][1], **n}
         return [Diagnosis(
             "passive", "computation",
             f"rank {s} arrived last at {100 * n['last_share']:.0f}% of the job's latest "

@@ -187,10 +187,7 @@ class CrossSection:
         self.slow_span_ns = self.min_ns + int(WINDOW_S * 1e9)
         self.rows: dict[int, deque] = {}      # rank -> (start_ns, end_ns, dur, compute, comm)
         self._since_look = 0
-        self._streak: list[tuple[int, int, int]] = []  # (suspect, look time, its
-        #                                                window's start) in a row
-        self._quiet = 0                              # looks in a row without a suspect
-        self.named: int | None = None                # the straggler last named
+        self.streak = Streak(looks)
         self.last: dict | None = None                # the numbers of the last look
         self._lowest: int | None = None              # min(self.rows)
         self._work: dict[int, int] | None = None     # an uneven split of the work
@@ -210,7 +207,7 @@ class CrossSection:
         self._work = m
         self.rows.clear()
         self._lowest = None
-        self._streak = []
+        self.streak.looks = []
         self._since_look = 0
 
     def observe(self, ev: dict) -> list[Diagnosis]:
@@ -298,7 +295,7 @@ class CrossSection:
         comm = {r: centre([x[4] for x in w]) for r, w in win.items()}
         it = statistics.median(x[2] for w in win.values() for x in w)
         s = max(comp, key=comp.get)
-        if self._streak and self._streak[-1][0] == s:
+        if self.streak.of() == s:
             bar *= HOLD                         # the same rank as the look before
         others = [r for r in comp if r != s]
         # The upper median: two others' mean put a worker at twice a parameter
@@ -350,10 +347,11 @@ class CrossSection:
         slow job, whose window alone spans seconds) two looks whose
         evidence, from the first one's window on, spans WINDOW_S + MIN_S:
         what the first rule sees at a job whose window spans WINDOW_S."""
-        first, t = self._streak[0], self._streak[-1][1]
-        if len(self._streak) >= self.looks and t - first[1] >= self.min_ns:
+        looks = self.streak.looks
+        first, t = looks[0], looks[-1][1]
+        if len(looks) >= self.looks and t - first[1] >= self.min_ns:
             return True
-        return len(self._streak) >= 2 and t - first[2] >= self.slow_span_ns
+        return len(looks) >= 2 and t - first[2] >= self.slow_span_ns
 
     def _look(self, ev: dict, n: int) -> list[Diagnosis]:
         win = self._window_rows(n)
@@ -380,21 +378,11 @@ class CrossSection:
         self.last = last
         s, excess = last["suspect"], last["excess_ms"]
         t = ev["start_ns"] + ev["dur_ns"]
-        if not ok:
-            self._streak = []
-            self._quiet += 1
-            if self._quiet >= self.looks:
-                self.named = None
+        if not self.streak.step(ok, s, t, lo, self._lasted):
             return []
-        self._quiet = 0
-        if self._streak and self._streak[-1][0] != s:
-            self._streak = []
-        self._streak.append((s, t, lo))
-        if not self._lasted() or self.named == s:
-            return []
-        self.named = s
         details = {"method": "cross-section", "looks": self.looks,
-                   "since_ns": self._streak[0][1], "intermittent": intermittent, **self.last}
+                   "since_ns": self.streak.looks[0][1], "intermittent": intermittent,
+                   **self.last}
         mine = self.last["ranks"][str(s)]["compute_ms"]
         if intermittent:
             least = f"it waits least in {100 * self.last['waits_least']:.0f}% of them"
@@ -413,6 +401,41 @@ class CrossSection:
                           f"{how} while they wait {self.last['waited_ms']:.1f} ms longer in "
                           "collectives: it is the straggler now, whatever the job did before",
                           ev.get("index"), (s,), details=details)]
+
+
+class Streak:
+    """Passing looks in a row that name one suspect, as (suspect, look
+    time, its window's start), and the straggler last named: a suspect is
+    named once `lasted()` says its looks are enough, and the same one again
+    only after `quiet` looks in a row that passed for no one."""
+
+    def __init__(self, quiet: int):
+        self.quiet = quiet
+        self.looks: list[tuple[int, int, int]] = []
+        self.named: int | None = None
+        self._quiet = 0
+
+    def of(self) -> int | None:
+        """The suspect of the looks in a row, if any."""
+        return self.looks[-1][0] if self.looks else None
+
+    def step(self, ok: bool, s: int, t: int, lo: int, lasted) -> bool:
+        """One look (whether it passed, for suspect s, at t, its window from
+        lo): whether s is to be named now."""
+        if not ok:
+            self.looks = []
+            self._quiet += 1
+            if self._quiet >= self.quiet:
+                self.named = None
+            return False
+        self._quiet = 0
+        if self.of() != s:
+            self.looks = []
+        self.looks.append((s, t, lo))
+        if not lasted() or self.named == s:
+            return False
+        self.named = s
+        return True
 
 
 def _spanning(lead: deque, seconds: float, floor: int = MIN_WINDOW) -> int | None:
