@@ -106,13 +106,14 @@ class CallCross:
             # Each gap from the latest end before it (two of a rank's
             # collectives at once, gloo's pool of two threads: none).
             before = np.maximum.accumulate(np.concatenate(([prev or 0], end)))[:-1]
-            gaps = np.maximum(start - before, 0).tolist()
-            if prev is None:
+            k = max(0, len(start) - KEEP)               # (only the latest are kept)
+            gaps = np.maximum(start[k:] - before[k:], 0).tolist()
+            if prev is None and k == 0:
                 gaps[0] = None
             q = self.calls.get(rank)
             if q is None:
                 q = self.calls[rank] = deque(maxlen=KEEP)
-            q.extend(zip(gaps, start.tolist(), end.tolist()))
+            q.extend(zip(gaps, start[k:].tolist(), end[k:].tolist()))
             self._ends[rank] = max(prev or 0, int(end.max()))
             fresh = True
         return self._look() if fresh else []

@@ -7,6 +7,10 @@
   cost of an update at t = 10,000), plus agreement of their change points;
 - the full per-rank pipeline: call records -> iterations -> detector, in
   call records per second on one core;
+- the call-by-call cross-section (diagnosis/callcross.py) on the same
+  kind of records, of a fast job (its pace gate closed: what every job
+  with many collectives pays) and of a slow, sparse one (looking at each
+  collective), in call records per second beside the pipeline's;
 - cold start: first-run Numba compile time (empty cache) and a warm start,
   and a warm `greyhound-trace replay` of the recorded fixture.
 """
@@ -110,6 +114,29 @@ def bench_pipeline(period: int = 50, n_iter: int = 20_000) -> dict:
     return out
 
 
+def bench_callcross() -> dict:
+    """Records of 3 ranks' gloo all-reduces (tests/test_callcross.py's
+    generator), fed as the tracer reads them: every half second."""
+    from test_callcross import job
+    from greyhound_bpf.diagnosis.callcross import CallCross
+    cat = load_catalog()
+    ranks = {100 + r: r for r in range(3)}
+    out = {}
+    for name, ms, calls, n in (("fast", 100, 30, 2000), ("sparse", 1500, 3, 600)):
+        recs = job({0: ms, 1: ms, 2: 3 * ms}, n, calls=calls)     # in order of their ends
+        ends = recs["start_ns"] + recs["dur_ns"]
+        cuts = np.searchsorted(ends, np.arange(0, int(ends[-1]) + 10**9, 5 * 10**8), "right")
+        batches = [recs[a:b] for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+        cc = CallCross(cat)
+        t = time.perf_counter()
+        for batch in batches:
+            cc.feed(batch, ranks)
+        dt = time.perf_counter() - t
+        out[name] = {"calls": len(recs), "calls_per_s": len(recs) / dt,
+                     "core_share": dt / (int(ends[-1]) / 1e9), "looked": cc.last is not None}
+    return out
+
+
 def bench_start() -> dict:
     code = "import time; t=time.perf_counter(); from greyhound_bpf.engine import warm_up; warm_up(); print(time.perf_counter()-t)"
     with tempfile.TemporaryDirectory() as d:
@@ -148,6 +175,12 @@ def main() -> int:
     res["pipeline"] = p = bench_pipeline()
     print(f"pipeline (records -> iterations -> detector), period {p['period']}: "
           f"{p['calls_per_s'] / 1e6:.2f} M call records/s on one core ({p['calls']} calls)")
+    res["callcross"] = c = bench_callcross()
+    for k, v in c.items():
+        print(f"call-by-call look, a {k} job: {v['calls_per_s'] / 1e6:.2f} M call records/s "
+              f"on one core ({v['calls']} calls; x{p['calls_per_s'] / v['calls_per_s']:.2f} "
+              f"the pipeline's time per record; {'looking' if v['looked'] else 'gate closed'}): "
+              f"{100 * v['core_share']:.3f}% of one core over the job's time")
     res["start"] = s = bench_start()
     print(f"start: cold compile {s['cold_compile_s']:.1f} s, warm start {s['warm_start_s']:.2f} s; "
           f"warm `greyhound-trace replay` of the fixture {s['warm_replay_s']:.2f} s (goal < 2 s)")
