@@ -11,6 +11,7 @@ from . import argtypes as T
 from .cluster import cli as cluster_cli
 # Standard library only: `attach` enters the background before the heavy
 # imports (numpy, Numba, BCC), which cost a saturated job CPU otherwise.
+from . import validate as validate_command
 from .diagnosis.cpu import Background, IdleGroup
 
 EPILOG_ATTACH = """\
@@ -421,58 +422,7 @@ def cmd_inject(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    import os
-    from rich.console import Console
-    from .diagnosis import host, rules, validator
-    from .events import make_event
-    from .output.jsonl import JsonLinesWriter
-    from .output.validation import render as render_validation
-    if bool(args.pids) == (args.world is not None):
-        raise GreyhoundError("give either PIDs of a running job or --world N")
-    if args.world is not None:
-        if args.world < 2:
-            raise GreyhoundError("--world must be at least 2 (links need two ends)")
-        members = validator.precheck_members(args.world)
-        job = f"precheck-{args.world}"
-    else:
-        if os.geteuid() != 0:
-            raise GreyhoundError("validate PID needs root (it enters the ranks' namespaces "
-                                 "and cgroups and pauses them): run it with sudo", exit_code=1)
-        from .probe.discovery import job_roots, widened_note
-        roots, widened = (args.pids, []) if args.only_named else job_roots(args.pids)
-        for pid, up in widened:
-            print(f"greyhound-trace: {widened_note(pid, up)}", file=sys.stderr)
-        members = validator.members_for_job(roots)
-        st = host.read_stat(roots[0])
-        job = f"{st.comm if st else 'job'}-{roots[0]}"
-    err = Console(stderr=True)
-    # Checking the interpreter imports what the workers do: load on the
-    # host that a tracer there must not blame on the job.
-    with host.Busy("check"):
-        validator.check_python(args.python,
-                               gpus=any(m.device.startswith("cuda") for m in members))
-    # The workers' start-up (their imports) on CPU the job leaves idle.
-    idle = IdleGroup.create() if args.pids else None
-    v = validator.Validator(members, pause=not args.no_pause, pause_max_s=args.pause_max,
-                           start_timeout_s=args.timeout, python=args.python,
-                           progress=lambda msg: err.print(f"greyhound-trace: {msg}",
-                                                          highlight=False),
-                           idle_group=idle)
-    try:
-        fields = rules.decide(v.run()).fields()
-    finally:
-        if idle is not None:
-            idle.remove()
-    target = _json_target(args)
-    if target:
-        out = JsonLinesWriter(target)
-        out.write(make_event("diagnosis", job, **fields))
-        out.close()
-    if target != "-":
-        Console().print(render_validation(fields))
-    if fields["cause"] != "unknown":
-        return 3
-    return 0 if fields["details"]["devices"] else 1
+    return validate_command.validate(args, _json_target(args))
 
 
 def cmd_check(args) -> int:
@@ -501,14 +451,19 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     early = None
-    if words[:1] == ["attach"] and os.geteuid() == 0 and \
-            not {"-h", "--help", "--ebpf"} & set(words):
+    helping = bool({"-h", "--help"} & set(words))
+    validating = words[:1] == ["validate"] and not helping
+    if words[:1] == ["attach"] and os.geteuid() == 0 and not helping and "--ebpf" not in words:
         # From the first moment: everything before the probes are in is
         # start-up, the Python imports included (diagnosis/cpu.py).
         early = Background.start(cpu_cap=_early_start_cpu(words))
+    elif validating:
+        early = validate_command.begin()      # so is a validation's
     try:
         return _main(argv)
     finally:
+        if validating:
+            validate_command.end()
         if early is not None:
             early.close()
 

@@ -19,8 +19,8 @@ STAGES = [
     ("analysis", ["greyhound_bpf/analysis.py"]),
     ("output", ["greyhound_bpf/output/", "greyhound_bpf/recording.py"]),
     ("commands", ["greyhound_bpf/attach.py", "greyhound_bpf/replay.py",
-                  "greyhound_bpf/inject.py", "greyhound_bpf/cli.py", "greyhound_bpf/argtypes.py",
-                  "greyhound_bpf/cluster/"]),
+                  "greyhound_bpf/inject.py", "greyhound_bpf/validate.py", "greyhound_bpf/cli.py",
+                  "greyhound_bpf/argtypes.py", "greyhound_bpf/cluster/"]),
 ]
 
 

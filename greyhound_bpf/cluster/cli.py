@@ -79,7 +79,7 @@ class AgentSetup:
 
     def start(self, session):
         """The agent of an attach session: its events go to Redis."""
-        from ..diagnosis.host import set_node
+        from ..diagnosis.announce import set_node
         from .agent import Agent
         set_node(self.node)          # this node's validation lock and state
         agent = Agent(self.endpoint, self.job, self.node, session.opts.control_file,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import sys
 import time
 
-from .host import Busy, MeasureLock, Member, Pause, SpanReport
+from .announce import Busy
+from .host import MeasureLock, Member, Pause, SpanReport
 from .rules import Result, schedule
 from .workers import Worker, WorkerError, kill_now
 

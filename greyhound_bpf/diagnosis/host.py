@@ -1,21 +1,20 @@
 """Where validation runs and how it touches the job: each rank's place
 (network namespace, cgroups, CPU affinity, device), the job's pause with a
-watchdog, one measurement at a time per machine, and the announcement that
-validation is busy. I/O, no decisions.
+watchdog, one measurement at a time per machine, and another greyhound's
+validation seen as a span (announce.py announces it). I/O, no decisions.
 """
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..probe.discovery import read_environ, read_stat
+from .announce import busy_since, state_dir
 from .cpu import cgroups_of
 from .gpus import Gpu, Placement, open_minors, place
 
@@ -166,25 +165,6 @@ class Pause:
             self.watchdog.wait()
 
 
-# Per-host state (the validation lock, who is validating) lives under
-# /run/greyhound; a cluster agent keys it by its node (set_node), so that
-# nodes sharing a kernel (network namespaces on one machine) are nodes.
-_NODE: str | None = None
-
-
-def set_node(node: str | None) -> None:
-    global _NODE
-    _NODE = node
-
-
-def state_dir(machine: bool = False) -> Path:
-    """This node's state (a node's agent: under nodes/NAME), or with
-    `machine` the machine's, which every agent on it shares."""
-    base = Path("/run/greyhound") if os.geteuid() == 0 else \
-        Path(tempfile.gettempdir()) / f"greyhound-{os.geteuid()}"
-    return base / "nodes" / _NODE if _NODE and not machine else base
-
-
 class MeasureLock:
     """One validation measures at a time on a machine: two would pause the
     job on top of each other and measure each other's load. A file lock,
@@ -218,66 +198,6 @@ class MeasureLock:
     def __exit__(self, *exc) -> None:
         if self.fh:
             self.fh.close()                 # releases the lock
-
-
-class Busy:
-    """Announces that validation workers are starting or measuring on this
-    machine: a file per activity, gone when it ends (a dead writer's file is
-    ignored). Both put load on the host (importing torch; a paused job;
-    GEMMs), so a tracer on this machine does not blame a job slowdown that
-    begins meanwhile on the job (`busy_since`)."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.path = None
-
-    @staticmethod
-    def directory() -> Path:
-        return state_dir() / "validating"
-
-    def __enter__(self) -> "Busy":
-        try:
-            d = self.directory()
-            d.mkdir(parents=True, exist_ok=True)
-            self.path = d / f"{os.getpid()}-{id(self):x}.json"
-            self.path.write_text(json.dumps({"pid": os.getpid(), "since_ns": time.time_ns(),
-                                             "what": self.what}))
-        except OSError:
-            self.path = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.path is not None:
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
-
-
-def busy_since(exclude_pid: int | None = None) -> int | None:
-    """Wall-clock ns since when validation has been busy on this machine, or
-    None when it is not; `exclude_pid`'s own activity left out (a tracer
-    knows its own spans)."""
-    since = None
-    try:
-        files = list(Busy.directory().glob("*.json"))
-    except OSError:
-        return None
-    for f in files:
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if exclude_pid is not None and int(doc.get("pid", 0)) == exclude_pid:
-            continue
-        if read_stat(int(doc.get("pid", 0))) is None:
-            try:
-                f.unlink()          # its writer was killed: nothing is busy
-            except OSError:
-                pass
-            continue
-        since = doc["since_ns"] if since is None else min(since, doc["since_ns"])
-    return since
 
 
 class OtherValidations:

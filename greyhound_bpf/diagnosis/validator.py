@@ -41,7 +41,8 @@ from .. import GreyhoundError
 from ..probe.discovery import read_stat
 from .gpus import nvml_gpus, wait_drained
 from .cpu import IdleGroup
-from .host import PAUSE_MAX_S, Busy, MeasureLock, Member, Pause, SpanReport, member_of, netns_id
+from .announce import Busy
+from .host import PAUSE_MAX_S, MeasureLock, Member, Pause, SpanReport, member_of, netns_id
 from .workers import Worker, WorkerError, check_python, kill_now  # noqa: F401  (check_python: the CLI's)
 from .rules import (Result, keep_better, link_name, link_suspects, outliers, ring_edges,
                     schedule)
