@@ -293,14 +293,23 @@ class Tracer:
     def events(self, kind: str | None = None) -> list[dict]:
         return [e for e in self._tail.read() if kind is None or e["kind"] == kind]
 
+    def since_attach(self, t_ns: int) -> float:
+        """Seconds from the first event (attach) to t_ns."""
+        first = self._tail.read()[:1]
+        return round((t_ns - first[0]["time_ns"]) / 1e9, 2) if first else float("nan")
+
     def story(self) -> str:
-        """What the detectors, diagnosis and policy reported, one line per
-        event, for a failure message."""
+        """What the detectors, diagnosis and policy reported, and greyhound's
+        own activity, one line per event with its time since attach (s), for
+        a failure message."""
         keep = ("kind", "scope", "index", "ratio", "cause", "evidence", "ranks", "link",
-                "strategy", "reason", "phase", "numbers", "details")
-        return "\n".join(str({k: e[k] for k in keep if k in e}) for e in self.events()
-                         if e["kind"] in ("slowdown", "recovery", "action", "diagnosis",
-                                          "validation"))
+                "strategy", "reason", "phase", "numbers", "details", "what", "id")
+        return "\n".join(f"{self.since_attach(e['time_ns'])} " + str({
+            **{k: e[k] for k in keep if k in e},
+            **{k: self.since_attach(e[k]) for k in ("onset_ns", "start_ns", "end_ns")
+               if e.get(k)}}) for e in self.events()
+            if e["kind"] in ("slowdown", "recovery", "action", "diagnosis", "validation",
+                             "activity"))
 
     def measured(self, rank: int) -> list[dict]:
         """The rank's iterations that tell the job's speed."""
