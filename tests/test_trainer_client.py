@@ -213,7 +213,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "sparse_recsys", "gossip_sgd", "syncbn_cnn",
                                      "param_server", "ring_attention",
                                      "ulysses_attention", "evolution_strategies",
-                                     "topk_compression", "scatter_batches"])
+                                     "topk_compression", "scatter_batches",
+                                     "fairseq_legacy"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -238,7 +239,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     parallelism, heads and sequence swapped by all-to-alls; evolution
     strategies, no backward and one all-gather of returns; top-k
     compressed gradients, all-gathered; rank 0's input pipeline scattering
-    each rank its shard) stay runnable: 2
+    each rank its shard; fairseq's legacy trainer, batches by tokens,
+    accumulation without communication, then the sample size and one flat
+    gradient buffer all-reduced) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -272,6 +275,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "scatter_batches": ("--checksums", "--log-every", "3"),
              "sparse_recsys": ("--users", "600", "--items", "300", "--eval-every", "3",
                                "--checksums"),
+             "fairseq_legacy": ("--max-tokens", "256", "--update-freq", "2", "--dim", "64",
+                                "--layers", "2", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -538,3 +543,13 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["logged_loss"] == mine[1, i]["logged_loss"] \
                 == pytest.approx(mean, abs=1e-5), i
         assert mine[0, 1]["logged_loss"] is None and mine[1, 4]["logged_loss"] is not None
+    if example == "fairseq_legacy":
+        # Each rank draws its own batches by tokens (their counts differ);
+        # the sample size all-reduced is the job's, the same on each, and
+        # the flat buffer's gradients keep the replicas equal.
+        assert_replicas_equal_and_training(mine)
+        assert any(mine[0, i]["tokens"] != mine[1, i]["tokens"] for i in range(6))
+        for i in range(6):
+            assert mine[0, i]["job_tokens"] == mine[1, i]["job_tokens"] \
+                == mine[0, i]["tokens"] + mine[1, i]["tokens"], i
+            assert mine[0, i]["loss"] == mine[1, i]["loss"], i
