@@ -62,11 +62,12 @@ def expectations(name: str) -> list[dict]:
     return e if isinstance(e, list) else [e] * n
 
 
-def known_miss(name: str) -> str | None:
-    """A held-out scenario's recorded miss (corpus.toml's `miss`: why), kept
-    as it failed: no rule was tuned on it, and its test is a strict xfail
-    that fails the day it passes."""
-    return _scenario(name).get("miss")
+def known_miss(name: str, what: str = "miss") -> str | None:
+    """A held-out scenario's recorded miss (corpus.toml's `miss`: why its
+    fault was not named in time; `miss_ranks`: why its ranks were not each
+    seen), kept as it failed: no rule was tuned on it, and its test is a
+    strict xfail that fails the day it passes."""
+    return _scenario(name).get(what)
 
 
 @functools.cache

@@ -43,7 +43,9 @@ def test_no_wrong_verdict_and_no_plan_outside_a_fault(name, scored):
     assert r["plans_outside"] == 0
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=corpus.known_miss(n, "miss_ranks")))
+    if corpus.known_miss(n, "miss_ranks") else n for n in ALL])
 def test_each_rank_once(name, scored):
     t = corpus.truth(name)
     assert scored(name)["ranks"] == list(range(t["nproc"]))
