@@ -15,7 +15,6 @@ Standard library only at import: the heavy imports are `validate`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -71,11 +70,9 @@ def validate(args, target: str | None) -> int:
         job = f"{st.comm if st else 'job'}-{roots[0]}"
     err = Console(stderr=True)
     # Checking the interpreter imports what the workers do: load on the
-    # host that a tracer there must not blame on the job (announced since
-    # `begin` when the command line called it), at idle priority.
-    with Busy("check") if _announced is None else contextlib.nullcontext():
-        validator.check_python(args.python,
-                               gpus=any(m.device.startswith("cuda") for m in members))
+    # host, announced since `begin` (which the command line calls first),
+    # at idle priority.
+    validator.check_python(args.python, gpus=any(m.device.startswith("cuda") for m in members))
     # The workers' start-up (their imports) on CPU the job leaves idle: in
     # the group our own start-up ran in, which we leave now (the validator's
     # process measures).

@@ -70,6 +70,7 @@ def busy_since(exclude_pid: int | None = None) -> int | None:
     """Wall-clock ns since when validation has been busy on this machine, or
     None when it is not; `exclude_pid`'s own activity left out (a tracer
     knows its own spans)."""
+    from ..probe.discovery import read_stat    # (not at import: the CLI announces first)
     since = None
     try:
         files = list(Busy.directory().glob("*.json"))
@@ -82,7 +83,6 @@ def busy_since(exclude_pid: int | None = None) -> int | None:
             continue
         if exclude_pid is not None and int(doc.get("pid", 0)) == exclude_pid:
             continue
-        from ..probe.discovery import read_stat    # (a tracer has it loaded)
         if read_stat(int(doc.get("pid", 0))) is None:
             try:
                 f.unlink()          # its writer was killed: nothing is busy
