@@ -18,17 +18,20 @@ ALLREDUCE = CAT.by_name["gloo::allreduce"]
 S = 1_000_000_000
 
 
-def job(compute_ms, iterations, calls=3, jitter=0.1, seed=0, stall=None, groups=None, t0=0):
+def job(compute_ms, iterations, calls=3, jitter=0.1, seed=0, stall=None, groups=None, t0=0,
+        split=None):
     """Records of a data-parallel job: every iteration each rank computes
     its `compute_ms[r]` (x a jitter), split over `calls` all-reduces (most of
-    it before the first: forward and backward, the rest between buckets),
-    and each all-reduce ends 20 ms after its last rank arrives. `stall`:
-    (rank, iteration, ms) more compute once. `groups`: rank sets that
-    all-reduce among themselves only."""
+    it before the first: forward and backward, the rest between buckets;
+    or as `split` says), and each all-reduce ends 20 ms after its last rank
+    arrives. `stall`: (rank, iteration, ms) more compute once, or a list of
+    them. `groups`: rank sets that all-reduce among themselves only."""
     rnd = random.Random(seed)
     ranks = sorted(compute_ms)
     groups = groups or [ranks]
-    split = [0.8] + [0.2 / (calls - 1)] * (calls - 1) if calls > 1 else [1.0]
+    stalls = [stall] if isinstance(stall, tuple) else stall or []
+    if split is None:
+        split = [0.8] + [0.2 / (calls - 1)] * (calls - 1) if calls > 1 else [1.0]
     free = dict.fromkeys(ranks, t0)          # when each rank left its last call
     out = []
     for i in range(iterations):
@@ -36,8 +39,7 @@ def job(compute_ms, iterations, calls=3, jitter=0.1, seed=0, stall=None, groups=
             arrive = {}
             for r in ranks:
                 c = compute_ms[r] * share * rnd.uniform(1 - jitter, 1 + jitter)
-                if stall and stall[:2] == (r, i) and share == split[0]:
-                    c += stall[2]
+                c += sum(x[2] for x in stalls if x[:2] == (r, i) and share == split[0])
                 arrive[r] = free[r] + int(c * 1e6)
             for g in groups:
                 done = max(arrive[r] for r in g) + 20_000_000
@@ -125,3 +127,51 @@ def test_our_own_activity_and_an_uneven_split_keep_it_quiet():
     assert feed(cc, job({0: 1000, 1: 1000, 2: 3000}, 12)) == []
     cc.work({0: 5, 1: 5, 2: 5})                       # back to even
     assert len(feed(cc, job({0: 1000, 1: 1000, 2: 3000}, 12, t0=60 * S))) == 1
+
+
+# fairseq's legacy trainer (examples/fairseq_legacy.py): its compute, then
+# an all-reduce of the logging statistics and at once one of the gradients.
+BACK_TO_BACK = {"calls": 2, "split": [1.0, 0.0]}
+
+
+def test_collectives_back_to_back_are_judged_where_compute_comes_before():
+    # 1.4 s an update healthy, rank 1 at a third of its speed from +20 s
+    # (its excess half the job's time, under the strong look's bar): who
+    # arrives last at the gradients' all-reduce is chance, at the
+    # statistics' it is the straggler.
+    healthy = job({0: 1400, 1: 1400, 2: 1400}, 14, **BACK_TO_BACK, jitter=0.2, seed=5)
+    t0 = int((healthy["start_ns"] + healthy["dur_ns"]).max())
+    slow = job({0: 1400, 1: 2800, 2: 1400}, 14, **BACK_TO_BACK, jitter=0.2, seed=6, t0=t0)
+    recs = np.concatenate([healthy, slow])
+    cc = CallCross(CAT)
+    got = feed(cc, recs)
+    assert [(v.cause, v.ranks, v.details["strong"]) for v in got] == [
+        ("computation", (1,), False)], cc.last
+    assert got[0].details["last_share"] == 1.0
+    assert got[0].details["at_ns"] - t0 < 15 * S, (got[0].details["at_ns"] - t0) / S
+    # The same shape healthy, with rank 0 doing 30% more and each rank
+    # jittering 20%: nothing.
+    cc = CallCross(CAT)
+    assert feed(cc, job({0: 1800, 1: 1400, 2: 1400}, 60, **BACK_TO_BACK, jitter=0.2, seed=7)) == []
+    assert cc.last is not None
+
+
+def test_overwhelming_evidence_is_named_on_one_look_over_two_updates():
+    # Already slow at attach: rank 2 at 6.8 s an update where the others
+    # take 1.4 s and then wait for it. Two updates (four collectives, the
+    # largest excess left out) name it on one look as the third update's
+    # collectives end (the first one's compute began before the first call
+    # seen), where six collectives and a second look take two updates more.
+    recs = job({0: 1400, 1: 1400, 2: 6800}, 10, **BACK_TO_BACK, seed=8)
+    got = feed(CallCross(CAT), recs)
+    assert [(v.ranks, v.details["strong"], v.details["collectives"]) for v in got] == [
+        ((2,), True, 3)]
+    ends = np.sort(recs["start_ns"] + recs["dur_ns"])
+    assert ends[2 * 2 * 3 - 1] < got[0].details["at_ns"] <= ends[3 * 2 * 3 - 1]  # updates 3
+    # A healthy job of that shape with two long stalls in a row, on two
+    # ranks, or one on one rank: nothing.
+    for stalls in ([(1, 5, 5000), (2, 6, 5000)], [(1, 5, 5000)]):
+        cc = CallCross(CAT)
+        assert feed(cc, job({0: 1400, 1: 1400, 2: 1400}, 12, **BACK_TO_BACK, seed=9,
+                            stall=stalls)) == []
+        assert cc.last is not None

@@ -18,14 +18,17 @@ pipeline's subgroups' do not count), and the one where the suspect's excess
 was largest left out whole (one checkpoint, one stall of the host, is not
 a fault), rank s is a computation straggler when
 
-- it arrived last at >= LAST_SHARE of them (the early look's bar);
+- it arrived last at >= LAST_SHARE of those that follow compute (the early
+  look's bar; one issued at once after another has no one to wait for);
 - its time between them exceeds the others' (their upper median) by >=
   EXCESS of the job's time over them and by >= REL_EXCESS of theirs, while
   the others spend >= WAIT_SHARE of its excess longer inside them: the
   medians' test of the cross-section, over calls instead of iterations;
 - and on two looks in a row, the evidence from the first one's window on
   spanning SPAN_S (WINDOW_S + MIN_S), as the cross-section's verdict on a
-  slow job needs.
+  slow job needs; or on one look over MIN_STRONG collectives at least where
+  the evidence is strong (last at every one that follows compute, its
+  excess STRONG_EXCESS of the job's time and STRONG_REL of the others').
 
 Only where the iterations cannot be counted in time: once the lowest
 rank's calls span SPAN_S (its pace known), and only while it made fewer
@@ -44,8 +47,8 @@ import numpy as np
 
 from ..engine.activity import ActivityLog
 from ..probe.catalog import Catalog
-from .crosssection import (EXCESS, LAST_SHARE, MIN_ARRIVALS, MIN_S, REL_EXCESS, WAIT_SHARE,
-                           WINDOW_S, Streak, align)
+from .crosssection import (EXCESS, LAST_SHARE, MIN_ARRIVALS, MIN_S, REL_EXCESS, STRONG_REL,
+                           WAIT_SHARE, WINDOW_S, Streak, align)
 from .verdict import Diagnosis
 
 # A look's fewest collectives: two iterations' worth of the sparse job
@@ -54,6 +57,21 @@ from .verdict import Diagnosis
 # weak over so few (a healthy rank of three last at 4 of the 5 left by
 # chance: 4.5%), so the excess and wait tests of the cross-section go with it.
 MIN_CALLS = 6
+# Strong evidence needs fewer, and one look: two updates of a job that
+# makes two collectives each (fairseq's legacy trainer, 6-7 s an update
+# with a slow rank: six collectives and a second look took 35 s). Set on
+# the tune split (its slow sparse jobs: the ViT, gossip, and fairseq's two
+# fault recordings, moved there for it): over 234 looks of healthy
+# stretches the excess reached 0.22 of the job's time (relative 0.37), and
+# one look only had one rank last at every collective that follows
+# compute; the straggler's passing looks read 0.33-0.78. The bar is about
+# twice the healthy maximum; STRONG_REL is the cross-section's.
+MIN_STRONG = 4
+STRONG_EXCESS = 0.5
+# A collective follows compute when the ranks' median gap before it is a
+# tenth of the window's largest at least (fairseq's gradient all-reduce:
+# 2-35 ms after its statistics' 1.3-1.5 s).
+FOLLOWS = 0.1
 KEEP = 96             # collectives kept per rank
 # A look's span: what the cross-section's verdict on a slow job needs its
 # evidence to span (a busy host's burst on one rank, seconds long, is
@@ -142,11 +160,13 @@ class CallCross:
         starts = [idx[lead][g[lead]][1] for g in whole]
         k = sum(t >= end - SPAN_S * 1e9 for t in starts)
         take = whole[-max(k, MIN_CALLS):]
-        if len(take) < MIN_CALLS:
+        if len(take) < MIN_STRONG:
             return None
         return [{r: idx[r][j] for r, j in g.items()} for g in take]
 
     def _test(self, win: list[dict]) -> tuple[bool, dict]:
+        """Whether the window names its suspect (the numbers with it): over
+        MIN_CALLS, or over fewer where the evidence is strong."""
         ranks = sorted(win[0])
         gap = {r: [g[r][0] / 1e6 for g in win] for r in ranks}
         comp = {r: sum(v) for r, v in gap.items()}
@@ -160,15 +180,24 @@ class CallCross:
         gap = {r: v[:top] + v[top + 1:] for r, v in gap.items()}
         comp = {r: sum(v) for r, v in gap.items()}
         inside = {r: sum((g[r][2] - g[r][1]) / 1e6 for g in win) for r in ranks}
-        last = [max(g, key=lambda r: g[r][1]) for g in win]
+        # Who arrived last, at the collectives that follow compute: one
+        # issued at once after another (fairseq's gradients after its
+        # statistics) has no one to wait for, its last arrival chance.
+        m = [statistics.median(gap[r][i] for r in ranks) for i in range(len(win))]
+        after = [g for g, x in zip(win, m) if x >= FOLLOWS * max(m)]
+        last = [max(g, key=lambda r: g[r][1]) for g in after]
         c_o = statistics.median_high(comp[r] for r in others)
         excess = comp[s] - c_o
         span = statistics.median(comp[r] + inside[r] for r in ranks)
         waited = statistics.median(inside[r] for r in others) - inside[s]
-        share = last.count(s) / len(win)
+        share = last.count(s) / len(after)
         ok = (share >= LAST_SHARE and excess >= EXCESS * span
               and excess >= REL_EXCESS * c_o and waited >= WAIT_SHARE * excess)
-        return ok, {"suspect": s, "collectives": len(win), "last_share": round(share, 3),
+        strong = (ok and share == 1.0 and excess >= STRONG_EXCESS * span
+                  and excess >= STRONG_REL * c_o)
+        return ok and (strong or len(win) + 1 >= MIN_CALLS), {
+                    "suspect": s, "collectives": len(win), "last_share": round(share, 3),
+                    "strong": strong,
                     "span_ms": round(span, 1), "excess_ms": round(excess, 1),
                     "waited_ms": round(waited, 1),
                     "ranks": {str(r): {"compute_ms": round(comp[r], 1),
@@ -194,7 +223,8 @@ class CallCross:
         self._looked = t
         ok, self.last = self._test(win)
         s = self.last["suspect"]
-        if not self.streak.step(ok, s, t, lo, self._lasted):
+        lasted = (lambda: True) if self.last["strong"] else self._lasted
+        if not self.streak.step(ok, s, t, lo, lasted):
             return []
         n = self.last
         details = {"method": "cross-section", "calls": True, "at_ns": t,
