@@ -130,8 +130,18 @@ class Tick:
     t_ns: int
 
 
+@dataclass(frozen=True)
+class Collectives:
+    """Ranks' blocking collectives as another analysis found them, one
+    batch (a node's agent publishes those of a job sparse in them, for the
+    call-by-call look; diagnosis.callcross): per key (as Iterations'), its
+    (gap_ns or None, start_ns, end_ns) tuples."""
+    t_ns: int
+    calls: dict
+
+
 INPUTS = (Calls, Targets, Activity, Validated, Acks, PlanWritten, Tick, Iterations,
-          Communicators)
+          Communicators, Collectives)
 
 
 @dataclass
@@ -211,7 +221,8 @@ class JobAnalysis:
         handler = {Calls: self._calls, Targets: self._targets, Activity: self._activity,
                    Validated: self._validated, Acks: self._acks, PlanWritten: self._written,
                    Tick: self._tick, Iterations: self._iterations,
-                   Communicators: self._communicators}.get(type(inp))
+                   Communicators: self._communicators,
+                   Collectives: self._collectives}.get(type(inp))
         if handler is None:
             raise TypeError(f"not an analysis input: {inp!r}")
         return handler(inp)
@@ -308,6 +319,16 @@ class JobAnalysis:
                  for d in inp.items
                  if not d.get("disturbed")]       # the agent's own activity: not the job's
         return self._engine(self.pipeline.feed_iterations(inp.key, items))
+
+    def _collectives(self, inp: Collectives) -> list[dict]:
+        by_rank = {r.rank: items for key, items in inp.calls.items()
+                   if (r := self.ranks.get(key)) is not None and r.rank is not None}
+        return self._verdicts(self.callcross.take(by_rank), inp.t_ns)
+
+    def shared_collectives(self) -> dict[int, list[tuple]]:
+        """Per rank, its collectives since the last call where the job is
+        sparse in them: what a node's agent sends the job's controller."""
+        return self.callcross.shared()
 
     def _activity(self, inp: Activity) -> list[dict]:
         self.activity.update(inp.id, inp.what, inp.start_ns, inp.end_ns)

@@ -136,11 +136,9 @@ class AttachSession:
             from .recording import Recorder, header
             self.recorder = Recorder(opts.record_path, header(
                 self.job, config, self.catalog, pids=self.roots), self.catalog)
-        self._record_said = False
-        self._writer_said = False
+        self._record_said = self._writer_said = False
         self._followups: list = []                 # inputs caused by handling events
-        self._feeding = False
-        self.metrics = None
+        self._feeding, self.metrics = False, None
         self.agent = None                          # cluster.agent.Agent with --cluster
         self.exited_pids: set[int] = set()
         self.validator = None                      # diagnosis.service.Service, at first use
@@ -202,6 +200,8 @@ class AttachSession:
                                  "recording stopped (tracing goes on)")
                 for ev in self.analysis.feed(item):
                     self._route(ev)
+                if self.agent:                      # (the job's controller has no calls)
+                    self.agent.collectives(self.analysis.shared_collectives())
         finally:
             self._feeding = False
 

@@ -33,7 +33,8 @@ from typing import IO, Iterator
 import numpy as np
 
 from . import GreyhoundError, __version__
-from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, Communicators, Iterations,
+from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, Collectives, Communicators,
+                       Iterations,
                        PlanWritten, Targets, Tick, Validated)
 from .output.jsonl import JsonLinesWriter
 from .probe.catalog import Catalog
@@ -45,7 +46,7 @@ FORMAT = 1
 LEGACY_CHUNK = 256
 _NAME = {Calls: "calls", Targets: "targets", Activity: "activity", Validated: "validated",
          Acks: "acks", PlanWritten: "written", Tick: "tick", Iterations: "iterations",
-         Communicators: "communicators"}
+         Communicators: "communicators", Collectives: "collectives"}
 assert set(_NAME) == set(INPUTS)
 
 
@@ -83,6 +84,8 @@ def encode(inp, slot_mask: np.ndarray | None = None) -> dict:
         d.update(key=inp.key, items=list(inp.items))
     elif isinstance(inp, Communicators):
         d.update(node=inp.node, fields=inp.fields)
+    elif isinstance(inp, Collectives):
+        d.update(calls={str(k): [list(x) for x in v] for k, v in inp.calls.items()})
     return d
 
 
@@ -260,6 +263,11 @@ class Recording:
             return Iterations(t, int(d["key"]), items)
         if kind == "communicators":
             return Communicators(t, str(d["node"]), dict(d["fields"]))
+        if kind == "collectives":
+            calls = {int(k): tuple(tuple(x) for x in v) for k, v in d["calls"].items()}
+            if not all(len(x) == 3 for v in calls.values() for x in v):
+                raise ValueError("a collective that is not [gap, start, end]")
+            return Collectives(t, calls)
         raise GreyhoundError(f"{self.path}:{self.lineno}: unknown input {kind!r}")
 
     def _legacy(self) -> Iterator:

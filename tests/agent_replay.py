@@ -42,6 +42,7 @@ def feed(agent: Agent, recording: str, ranks: set[int], speed: float) -> int:
             if ev["kind"] == "iteration" and ev.get("rank") in ranks:
                 agent.sink(ev)
                 n += 1
+        agent.collectives({r: v for r, v in local.shared_collectives().items() if r in ranks})
     return n
 
 

@@ -63,9 +63,9 @@ def fresh(bed):
             p.wait(10)
 
 
-def start_agent(bed, procs, node: str, ranks: str):
+def start_agent(bed, procs, node: str, ranks: str, recording=RECORDING):
     p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "agent_replay.py"), bed.url,
-                          JOB, node, ranks, str(RECORDING),
+                          JOB, node, ranks, str(recording),
                           str(bed.secret_file(f"agent-{node}")), str(SPEED)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs.append(p)
@@ -110,6 +110,27 @@ def test_the_controller_names_the_slow_rank_and_its_node(bed, fresh):
     assert {e["node"] for e in kinds(events, "agent")} == {"a", "b"}
     # Job-level iterations came from both nodes' ranks.
     assert {e["rank"] for e in kinds(events, "iteration")} == {0, 1, 2, 3}
+
+
+def test_a_job_sparse_in_collectives_is_judged_call_by_call_across_nodes(bed, fresh):
+    # fairseq's legacy trainer with rank 2 already slow at attach (the tune
+    # split's preslow-fairseq3-r2): 6-7 s an update, two collectives each,
+    # no rank's iterations found in its 50 s, so only the call-by-call look
+    # names it; the controller is sent iterations, so the agents send it
+    # the collectives too. It says what one analysis of the whole job says.
+    rec = corpus.SCENARIOS / "preslow-fairseq3-r2.rec.gz"
+    one = next(e for e in corpus.replay("preslow-fairseq3-r2", validate=False)
+               if e["kind"] == "diagnosis")
+    start_agent(bed, fresh, "a", "0,1", rec)
+    start_agent(bed, fresh, "b", "2", rec)
+    ctl, events, said = make_controller(bed)
+    ctl.start()
+    run_until(ctl, lambda: kinds(events, "diagnosis"), 60, "a verdict", said)
+    d = kinds(events, "diagnosis")[0]
+    assert (d["cause"], d["evidence"], d["ranks"], d["nodes"]) == (
+        "computation", "passive", [2], ["b"]), d
+    assert d["details"]["calls"] and d["details"]["at_ns"] == one["details"]["at_ns"], (d, one)
+    assert kinds(events, "iteration") == []
 
 
 def test_iterations_sent_before_older_events_are_all_taken_once(bed, fresh):

@@ -9,18 +9,20 @@ communicator, and that is the only difference."""
 import pytest
 
 import corpus
-from greyhound_bpf.analysis import Calls, Communicators, Iterations, JobAnalysis
+from greyhound_bpf.analysis import Calls, Collectives, Communicators, Iterations, JobAnalysis
 from greyhound_bpf.probe.catalog import load_catalog
 from greyhound_bpf.recording import Recording, encode
 
-def both(name: str, maps: bool = False) -> tuple[list[dict], list[dict]]:
+def both(name: str, maps: bool = False, collectives: bool = False) -> tuple[list[dict], list[dict]]:
     """(events of the analysis fed the recording's calls, events of one fed
     the iterations the first found, batch by batch, and with `maps` its
-    communicator maps as a node's agent forwards them; everything else alike)."""
+    communicator maps, with `collectives` its shared collectives, as a node's
+    agent forwards them; everything else alike)."""
     cat = load_catalog()
     rec = Recording(str(corpus.SCENARIOS / f"{name}.rec.gz"), cat)
     calls, its = JobAnalysis(cat, rec.job, rec.config), JobAnalysis(cat, rec.job, rec.config)
     ea, eb = [], []
+    calls.shared_collectives()                  # (kept from the first call on)
     for inp in rec.inputs():
         out = calls.feed(inp)
         ea += out
@@ -34,6 +36,9 @@ def both(name: str, maps: bool = False) -> tuple[list[dict], list[dict]]:
         pid_of = {r: p for p, r in calls.rank_of().items()}
         for r, items in sorted(corpus.iterations_by_rank(out).items()):
             eb += its.feed(Iterations(inp.t_ns, pid_of[r], tuple(items)))
+        shared = calls.shared_collectives()
+        if collectives and shared:
+            eb += its.feed(Collectives(inp.t_ns, {pid_of[r]: tuple(v) for r, v in shared.items()}))
     return ea, eb
 
 
@@ -51,6 +56,22 @@ def test_iterations_give_what_calls_give(name):
     a, b = downstream(ea), downstream(eb)
     assert any(e["kind"] == "diagnosis" and e["cause"] == "computation" for e in a)
     assert a == b
+
+
+@pytest.mark.parametrize("name", ["preslow-fairseq3-r2", "compute-fairseq3-r1",
+                                  "preslow-vit3-r2"])
+def test_a_job_sparse_in_collectives_is_judged_from_the_collectives_shared(name):
+    """Jobs too slow and sparse in collectives to count their iterations
+    in time are named by the call-by-call look (diagnosis/callcross.py),
+    which an analysis fed iterations cannot run: fed the collectives a
+    node's agent shares, it says what the first one says. Without them it
+    says less (that is why they are sent)."""
+    ea, eb = both(name, collectives=True)
+    a, b = downstream(ea), downstream(eb)
+    assert any(e["kind"] == "diagnosis" and e["details"].get("calls") for e in a)
+    assert a == b
+    _, bare = both(name)
+    assert downstream(bare) != a
 
 
 def test_a_new_period_restarts_the_detectors_of_an_analysis_fed_iterations():
@@ -95,9 +116,10 @@ def test_iterations_are_recorded_and_read_back(tmp_path):
         header = fh.readline()
     comms = Communicators(6, "n1", {"communicators": [{"name": "gloo:0", "ranks": [2, 3]}],
                                     "p2p_edges": [[2, 3]]})
+    coll = Collectives(7, {1234: ((None, 10, 30), (5, 35, 60)), 1235: ((None, 12, 31),)})
     with gzip.open(path, "wt") as fh:
-        fh.write(header + json.dumps(encode(inp)) + "\n" + json.dumps(encode(comms)) + "\n")
-    assert list(Recording(str(path), load_catalog()).inputs()) == [inp, comms]
+        fh.write(header + "".join(json.dumps(encode(x)) + "\n" for x in (inp, comms, coll)))
+    assert list(Recording(str(path), load_catalog()).inputs()) == [inp, comms, coll]
 
 
 def test_with_the_nodes_map_a_link_verdict_names_its_communicator():

@@ -10,6 +10,9 @@ the tracer. What it publishes:
   size, network namespace), again whenever they change and after every
   reconnection;
 - `iterations`: each rank's iterations since the last batch, every BATCH_S;
+- `collectives`: likewise each rank's blocking collectives, while the job
+  makes too few for its iterations to be counted in time (the call-by-call
+  look, diagnosis/callcross.py; KEEP_CALLS a rank held while Redis is away);
 - `event`: the local slowdowns, verdicts, validations, losses and exits;
 - `acks`: the node's trainers' acknowledgements, when they change;
 - `heartbeat`, every HEARTBEAT_S, with what was dropped so far.
@@ -39,6 +42,7 @@ BATCH_S = 0.25
 ACKS_S = 0.5
 RETRY_S = 2.0
 MAX_BUFFERED = 50_000          # iterations held while Redis is away (minutes of a node)
+KEEP_CALLS = 96                # collectives held per rank (the look's own memory)
 FORWARDED = frozenset({"slowdown", "recovery", "diagnosis", "validation", "lost", "exit",
                        "topology", "unprobed_site", "activity"})
 
@@ -106,6 +110,7 @@ class Agent:
         self.rendezvous: dict[int, Rendezvous] = {}  # request -> links between nodes
         self.ranks: dict[int, dict] = {}            # pid -> hello entry
         self.pending: dict[int, list[dict]] = {}    # pid -> iterations not yet published
+        self.pending_calls: dict[int, list] = {}    # pid -> collectives not yet published
         self.buffered = 0
         self.dropped = 0                             # iterations that never left
         self.dropped_said = 0
@@ -126,6 +131,12 @@ class Agent:
     def sink(self, ev: dict) -> None:
         if ev["kind"] in ("attach", "iteration") or ev["kind"] in FORWARDED:
             self.q.put(ev)
+
+    def collectives(self, by_rank: dict[int, list]) -> None:
+        """The local analysis's shared collectives (JobAnalysis.
+        shared_collectives), per rank."""
+        if by_rank:
+            self.q.put({"kind": "collectives", "ranks": by_rank})
 
     def take_requests(self) -> list[dict]:
         """The controller's validation requests for this node (the attach
@@ -213,6 +224,13 @@ class Agent:
                     self.hello_due = True
             elif kind == "iteration":
                 self._buffer(ev)
+            elif kind == "collectives":
+                for rank, items in ev["ranks"].items():
+                    pid = next((p for p, d in self.ranks.items() if d["rank"] == rank), None)
+                    if pid is not None:
+                        held = self.pending_calls.setdefault(pid, [])
+                        held.extend([list(x) for x in items])
+                        del held[:-KEEP_CALLS]
             elif kind in ("validated", "links_store"):
                 self.events.append(ev)
             else:
@@ -253,6 +271,10 @@ class Agent:
             self.buffered -= n
             self.published += n
             self.pending = {}
+        if self.pending_calls:
+            self.bus.publish("collectives", t, ranks={str(p): v for p, v in
+                                                      sorted(self.pending_calls.items())})
+            self.pending_calls = {}
         while self.events:
             ev = self.events[0]
             if ev["kind"] == "validated":

@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from ..analysis import Acks, Communicators, Iterations, Targets
+from ..analysis import Acks, Collectives, Communicators, Iterations, Targets
 from .identity import check_name, events_stream
 
 MAXLEN = 100_000          # per node: minutes of iteration batches at a few per second
@@ -216,6 +216,10 @@ class JobInputs:
         if m.kind == "iterations":
             return [Iterations(m.t_ns, self.key(m.node, int(pid)), items)
                     for pid, items in sorted(m.data.get("ranks", {}).items()) if items]
+        if m.kind == "collectives":
+            calls = {self.key(m.node, int(pid)): tuple(map(tuple, items))
+                     for pid, items in sorted(m.data.get("ranks", {}).items()) if items}
+            return [Collectives(m.t_ns, calls)] if calls else []
         if m.kind == "event" and (m.data.get("event") or {}).get("kind") == "topology":
             ev = m.data["event"]
             return [Communicators(m.t_ns, m.node, {"communicators": ev.get("communicators", []),

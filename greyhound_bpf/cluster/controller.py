@@ -27,7 +27,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from ..analysis import Activity, Iterations, JobAnalysis, PlanWritten, Targets, Tick, Validated
+from ..analysis import (Activity, Collectives, Iterations, JobAnalysis, PlanWritten, Targets, Tick,
+                        Validated)
 from ..diagnosis.rules import keep_better, outliers
 from ..events import make_event
 from .agent import HEARTBEAT_S, RETRY_S
@@ -238,6 +239,8 @@ class Controller:
                 self._order += 1
                 heapq.heappush(self.held, (end, self._order, now, Iterations(end, inp.key, (d,))))
             self.data_t[node] = max(self.data_t.get(node, 0), end)
+        elif isinstance(inp, Collectives):   # at the time of their data, as iterations
+            self._push(max(e for v in inp.calls.values() for _, _, e in v), inp)
         elif isinstance(inp, Targets) and inp.added:
             self._push(0, inp)               # before any iteration of its ranks
         else:

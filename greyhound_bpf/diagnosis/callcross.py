@@ -95,6 +95,8 @@ class CallCross:
         self.last: dict | None = None        # the numbers of the last look
         self._uneven = False
         self._looked: int | None = None      # the end of the last look's window
+        self._share = False                  # keep what `shared` gives (an agent asks)
+        self._shared: dict[int, list[tuple]] = {}
 
     def work(self, microbatches: dict[int, int | None] | None) -> None:
         """An uneven split of the work (a plan in force) stops the looks: a
@@ -128,13 +130,43 @@ class CallCross:
             gaps = np.maximum(start[k:] - before[k:], 0).tolist()
             if prev is None and k == 0:
                 gaps[0] = None
-            q = self.calls.get(rank)
-            if q is None:
-                q = self.calls[rank] = deque(maxlen=KEEP)
-            q.extend(zip(gaps, start[k:].tolist(), end[k:].tolist()))
+            self._add(rank, list(zip(gaps, start[k:].tolist(), end[k:].tolist())))
             self._ends[rank] = max(prev or 0, int(end.max()))
             fresh = True
         return self._look() if fresh else []
+
+    def take(self, by_rank: dict[int, list]) -> list[Diagnosis]:
+        """Ranks' collectives as another analysis found them (a node's agent
+        sends the job's controller what `shared` gave it): per rank, (gap_ns
+        or None, start_ns, end_ns) each, in order; then one look, as `feed`."""
+        fresh = False
+        for rank, items in by_rank.items():
+            items = [(None if g is None else int(g), int(s), int(e)) for g, s, e in items]
+            if items:
+                self._add(rank, items)
+                self._ends[rank] = max(self._ends.get(rank, 0), max(e for _, _, e in items))
+                fresh = True
+        return self._look() if fresh else []
+
+    def shared(self) -> dict[int, list[tuple]]:
+        """Per rank, the collectives fed since the last call, of the ranks
+        sparse enough for the look (fewer than twice MIN_ARRIVALS over
+        SPAN_S): what a node's agent sends the job's controller, which is
+        sent iterations, not calls. Kept from the first call on. One that
+        Greyhound's own activity overlapped (the controller does not know of
+        the attach's) goes with its gap unknown: no look counts it."""
+        self._share = True
+        out, self._shared = self._shared, {}
+        return {r: [(None if g is None or self.activity.disturbing(s - g, e) else g, s, e)
+                    for g, s, e in v] for r, v in out.items()}
+
+    def _add(self, rank: int, items: list[tuple]) -> None:
+        q = self.calls.get(rank)
+        if q is None:
+            q = self.calls[rank] = deque(maxlen=KEEP)
+        q.extend(items)
+        if self._share and sum(x[1] >= q[-1][2] - SPAN_S * 1e9 for x in q) < 2 * MIN_ARRIVALS:
+            self._shared.setdefault(rank, []).extend(items)
 
     def _window(self, lead: int) -> list[dict[int, int]] | None:
         """The lead rank's latest matched collectives that every rank's
