@@ -158,14 +158,16 @@ def test_collectives_back_to_back_are_judged_where_compute_comes_before():
 
 def test_overwhelming_evidence_is_named_on_one_look_over_two_updates():
     # Already slow at attach: rank 2 at 6.8 s an update where the others
-    # take 1.4 s and then wait for it. Two updates (four collectives, the
-    # largest excess left out) name it on one look as the third update's
+    # take 1.4 s and then wait for it. Two updates (five whole collectives,
+    # the largest excess left out) name it on one look as the third update's
     # collectives end (the first one's compute began before the first call
     # seen), where six collectives and a second look take two updates more.
+    # (Rank 0 leaves the third update's last all-reduce a microsecond after
+    # the others: that collective counts, as the fifth.)
     recs = job({0: 1400, 1: 1400, 2: 6800}, 10, **BACK_TO_BACK, seed=8)
     got = feed(CallCross(CAT), recs)
     assert [(v.ranks, v.details["strong"], v.details["collectives"]) for v in got] == [
-        ((2,), True, 3)]
+        ((2,), True, 4)]
     ends = np.sort(recs["start_ns"] + recs["dur_ns"])
     assert ends[2 * 2 * 3 - 1] < got[0].details["at_ns"] <= ends[3 * 2 * 3 - 1]  # updates 3
     # A healthy job of that shape with two long stalls in a row, on two

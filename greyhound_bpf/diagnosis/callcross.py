@@ -173,8 +173,11 @@ class CallCross:
         records have reached, spanning SPAN_S and MIN_CALLS at least; None
         where the job is not one to look at (module docstring)."""
         q = self.calls[lead]
+        # Those it began before every rank's records end: a collective's
+        # calls end together, give or take microseconds, and one whose
+        # other calls are not in yet has no group (align).
         horizon = min(x[-1][2] for x in self.calls.values())
-        mine = [x for x in q if x[2] <= horizon]
+        mine = [x for x in q if x[1] <= horizon]
         if not mine:
             return None
         end = mine[-1][2]
