@@ -117,7 +117,8 @@ def test_a_job_sparse_in_collectives_is_judged_call_by_call_across_nodes(bed, fr
     # split's preslow-fairseq3-r2): 6-7 s an update, two collectives each,
     # no rank's iterations found in its 50 s, so only the call-by-call look
     # names it; the controller is sent iterations, so the agents send it
-    # the collectives too. It says what one analysis of the whole job says.
+    # the collectives too. It says what one analysis of the whole job says,
+    # from its data as it comes.
     rec = corpus.SCENARIOS / "preslow-fairseq3-r2.rec.gz"
     one = next(e for e in corpus.replay("preslow-fairseq3-r2", validate=False)
                if e["kind"] == "diagnosis")
@@ -129,7 +130,10 @@ def test_a_job_sparse_in_collectives_is_judged_call_by_call_across_nodes(bed, fr
     d = kinds(events, "diagnosis")[0]
     assert (d["cause"], d["evidence"], d["ranks"], d["nodes"]) == (
         "computation", "passive", [2], ["b"]), d
-    assert d["details"]["calls"] and d["details"]["at_ns"] == one["details"]["at_ns"], (d, one)
+    # From the same window here; each agent's batches arrive as they come,
+    # so a busy host may move the look by an update (5-7 s) at most.
+    assert d["details"]["calls"], d
+    assert abs(d["details"]["at_ns"] - one["details"]["at_ns"]) <= 8e9, (d, one)
     assert kinds(events, "iteration") == []
 
 
