@@ -34,8 +34,7 @@ import numpy as np
 
 from . import GreyhoundError, __version__
 from .analysis import (INPUTS, Activity, Acks, AnalysisConfig, Calls, Collectives, Communicators,
-                       Iterations,
-                       PlanWritten, Targets, Tick, Validated)
+                       Iterations, PlanWritten, Targets, Tick, Validated)
 from .output.jsonl import JsonLinesWriter
 from .probe.catalog import Catalog
 from .probe.records import CALL_DTYPE, GH_MAX_ARGS

@@ -226,8 +226,7 @@ class Agent:
                 self._buffer(ev)
             elif kind == "collectives":
                 for rank, items in ev["ranks"].items():
-                    pid = next((p for p, d in self.ranks.items() if d["rank"] == rank), None)
-                    if pid is not None:
+                    if (pid := self._pid_of(rank)) is not None:
                         held = self.pending_calls.setdefault(pid, [])
                         held.extend([list(x) for x in items])
                         del held[:-KEEP_CALLS]
@@ -238,8 +237,11 @@ class Agent:
                     self.hello_due = True
                 self._forward(ev)
 
+    def _pid_of(self, rank) -> int | None:
+        return next((p for p, d in self.ranks.items() if d["rank"] == rank), None)
+
     def _buffer(self, ev: dict) -> None:
-        pid = next((p for p, d in self.ranks.items() if d["rank"] == ev.get("rank")), None)
+        pid = self._pid_of(ev.get("rank"))
         if pid is None:
             return                   # not a rank (no RANK): nothing the job-wide view can use
         item = {k: ev[k] for k in ITERATION_FIELDS if k in ev}

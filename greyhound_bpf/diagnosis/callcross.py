@@ -130,8 +130,7 @@ class CallCross:
             gaps = np.maximum(start[k:] - before[k:], 0).tolist()
             if prev is None and k == 0:
                 gaps[0] = None
-            self._add(rank, list(zip(gaps, start[k:].tolist(), end[k:].tolist())))
-            self._ends[rank] = max(prev or 0, int(end.max()))
+            self._add(rank, list(zip(gaps, start[k:].tolist(), end[k:].tolist())), int(end.max()))
             fresh = True
         return self._look() if fresh else []
 
@@ -143,8 +142,7 @@ class CallCross:
         for rank, items in by_rank.items():
             items = [(None if g is None else int(g), int(s), int(e)) for g, s, e in items]
             if items:
-                self._add(rank, items)
-                self._ends[rank] = max(self._ends.get(rank, 0), max(e for _, _, e in items))
+                self._add(rank, items, max(e for _, _, e in items))
                 fresh = True
         return self._look() if fresh else []
 
@@ -160,7 +158,9 @@ class CallCross:
         return {r: [(None if g is None or self.activity.disturbing(s - g, e) else g, s, e)
                     for g, s, e in v] for r, v in out.items()}
 
-    def _add(self, rank: int, items: list[tuple]) -> None:
+    def _add(self, rank: int, items: list[tuple], end: int) -> None:
+        """A rank's collectives, in order (`end`: the latest of their ends)."""
+        self._ends[rank] = max(self._ends.get(rank, 0), end)
         q = self.calls.get(rank)
         if q is None:
             q = self.calls[rank] = deque(maxlen=KEEP)
