@@ -214,7 +214,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "param_server", "ring_attention",
                                      "ulysses_attention", "evolution_strategies",
                                      "topk_compression", "scatter_batches",
-                                     "fairseq_legacy"])
+                                     "fairseq_legacy", "async_checkpoint"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -241,7 +241,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     compressed gradients, all-gathered; rank 0's input pipeline scattering
     each rank its shard; fairseq's legacy trainer, batches by tokens,
     accumulation without communication, then the sample size and one flat
-    gradient buffer all-reduced) stay runnable: 2
+    gradient buffer all-reduced; asynchronous checkpoints, saved from a
+    background thread on a group of their own) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -277,6 +278,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                                "--checksums"),
              "fairseq_legacy": ("--max-tokens", "256", "--update-freq", "2", "--dim", "64",
                                 "--layers", "2", "--checksums"),
+             "async_checkpoint": ("--ckpt-every", "1", "--ckpt-dir", str(tmp_path),
+                                  "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -553,3 +556,20 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["job_tokens"] == mine[1, i]["job_tokens"] \
                 == mine[0, i]["tokens"] + mine[1, i]["tokens"], i
             assert mine[0, i]["loss"] == mine[1, i]["loss"], i
+    if example == "async_checkpoint":
+        # A save begun every step, the two latest finished ones kept beside
+        # the last; that one holds the model of the step that began it.
+        assert_replicas_equal_and_training(mine)
+        assert [mine[0, i]["saved"] for i in range(6)] == list(range(6))
+        assert sorted(d.name for d in tmp_path.glob("step-*")) == ["step-3", "step-4", "step-5"]
+        import torch.distributed.checkpoint as dcp
+        sys.path.insert(0, str(ROOT / "examples"))
+        try:
+            from async_checkpoint import checksum, model
+        finally:
+            sys.path.remove(str(ROOT / "examples"))
+        net = model(256, 4)
+        state = {"model": net.state_dict(), "step": -1}
+        dcp.load(state, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
+        net.load_state_dict(state["model"])
+        assert state["step"] == 5 and checksum(net) == pytest.approx(mine[0, 5]["params"])
