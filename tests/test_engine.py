@@ -371,6 +371,27 @@ def test_new_pattern_after_a_restart_is_reported():
     assert len(late) > 100 and median_error(cs, late) <= 0.01
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_burst_of_other_calls_inside_an_iteration_keeps_the_lock(seed):
+    # An asynchronous checkpoint (examples/async_checkpoint.py: DCP's
+    # async_save from a thread of its own) inserts 12-20 collectives of
+    # other types into one iteration of DDP's period of two. Fed a few
+    # calls at a time, as a live tracer's polls do, they outlasted the
+    # relock's count of calls with no anchor: every rank relocked at every
+    # save (or locked on the saves' cadence, 54 calls, and lost nine
+    # iterations in ten), and a slow rank's iterations stopped for seconds.
+    cs = call_stream(2, n_iter=400, ntypes=2, eval_every=20, eval_calls=14, seed=seed)
+    est, recs, pcs = estimate(cs, batch=4)
+    assert [(p.reason, p.period_calls) for p in pcs] == [("locked", 2)]
+    assert len(recs) >= 0.85 * 400 and median_error(cs, recs) <= 0.01
+    # A new pattern still relocks, fed as slowly.
+    cs = call_stream(30, n_iter=300, restart_at=150, seed=8)
+    est, recs, pcs = estimate(cs, batch=4)
+    assert [p.reason for p in pcs] == ["locked", "changed"]
+    late = [r for r in recs if r.start_ns > cs.iter_start_ns[160]]
+    assert len(late) > 100 and median_error(cs, late) <= 0.01
+
+
 def test_results_do_not_depend_on_batch_size():
     cs = call_stream(20, n_iter=300, noise=0.02, seed=9)
     _, a, _ = estimate(cs, batch=1000)

@@ -5,13 +5,12 @@ records in patterns.py).
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import numpy as np
 
 from . import _kernels, exchange, onetype
-from .anchors import Found, anchor_length, otsu_threshold
+from .anchors import Found, PeriodSearch, anchor_length, otsu_threshold
 from .patterns import ITERATION_FIELDS, IterationRecord, PatternChange  # noqa: F401
 
 # Calls of one type seen before each one is taken for an iteration: two
@@ -19,14 +18,6 @@ from .patterns import ITERATION_FIELDS, IterationRecord, PatternChange  # noqa: 
 # Provisional: the longer periods 32 calls cannot show (3 repeats of at most
 # 10) are looked for again as the window grows (engine/onetype.py).
 ONE_CALL_MIN_CALLS = 32
-# A pipeline stage's point-to-point calls repeat once per micro-batch, and
-# its step's collective (the gradients' all-reduce, a global-norm clip) once
-# per step. A period of a stage's calls must hold a collective at least
-# once in this many periods on average where the window has collectives,
-# else it is a micro-batch's (a middle stage of a 1F1B pipeline sends and
-# receives in strict turn: period 2, at ACF 0.9, where its step is 25
-# calls; examples/pipeline_1f1b.py, held out at first, was missed so).
-STEP_COLLECTIVE_EVERY = 2
 # Iterations held back while the job's other ranks are asked whether a lock
 # on point-to-point calls is a pipeline stage's micro-batch (the class
 # docstring); past this many, the lock is taken as it is.
@@ -38,9 +29,12 @@ HOLD_MAX = 256
 # and a faster job's events stay small. At most ARRIVALS_MAX of them.
 ARRIVALS_FROM_NS = 300_000_000
 ARRIVALS_MAX = 64
+# The iterations whose median duration a stretch with no anchor is judged by
+# (IterationEstimator, 3.).
+RELOCK_DURS = 8
 
 
-class IterationEstimator:
+class IterationEstimator(PeriodSearch):
     """Finds iterations in one rank's call stream.
 
     1. Period: the ACF of the call-type sequence (one-hot, so type ids are
@@ -50,7 +44,7 @@ class IterationEstimator:
        call is also tagged by whether it follows a long host gap, which
        marks the iteration's compute phase. On a rank with point-to-point calls (a
        pipeline stage) whose window holds collectives, a period that holds
-       one less than once in STEP_COLLECTIVE_EVERY periods is a
+       one less than once in STEP_COLLECTIVE_EVERY (anchors.py) periods is a
        micro-batch's, not the step's, and is passed over. A lock on
        point-to-point calls alone, at its first collective, is kept only
        where its exchange runs on whole across it and every other rank of
@@ -69,8 +63,12 @@ class IterationEstimator:
        next, so an inserted or dropped call elsewhere does not shift them; a
        missed anchor skips iterations instead of inventing one.
     3. Re-estimation when no anchor has been seen for ``relock_after``
-       periods or iterations keep coming out irregular (a restarted job, a
-       new pattern), reported as a PatternChange.
+       periods, in calls and in time (``relock_after`` of its latest
+       iterations' median), or iterations keep coming out irregular (a
+       restarted job, a new pattern), reported as a PatternChange. A burst
+       of other calls between two anchors is no new pattern: an
+       asynchronous checkpoint's collectives, from a thread of their own,
+       come 12-20 at once inside one iteration of a period of two.
 
     The first estimate comes after ``min_calls`` calls, then again every
     ``min_calls`` (or a quarter of the window) until one locks. 16 calls
@@ -142,6 +140,7 @@ class IterationEstimator:
         self._scanned = 0           # global index up to which anchors were searched
         self._match_from = 0        # global index: where the lock's matching began
         self._irregular = 0
+        self._durs: list[int] = []  # the lock's latest iterations' durations (ns)
         self._seen = 0              # calls fed so far
         self._try_at = self.min_calls   # call count at which to estimate next
         self._one_from: int | None = None  # global index: a provisional period of one's calls
@@ -362,7 +361,7 @@ class IterationEstimator:
         """The period of the calls from buffer position lo on, and its
         anchor's phase, gap threshold and longest lag searched; None: none."""
         n = len(self._types) - lo
-        # A pipeline stage's step holds its collective (STEP_COLLECTIVE_EVERY).
+        # A pipeline stage's step holds its collective (anchors.STEP_COLLECTIVE_EVERY).
         colls = int(self._coll[lo:].sum()) if self._p2p[lo:].any() else 0
         nlags = min(self.max_period, n // self.min_repeats)
         if nlags < self.min_period:
@@ -419,68 +418,13 @@ class IterationEstimator:
         self._judged = self._offset + lo
         self._own_ok = False
         self.state = "locked"
-        self._irregular = 0
+        self._irregular, self._durs = 0, []
         self._scanned = self._match_from = self._offset + lo
         self._last_anchor = None
         self._prev_end = None
         return PatternChange(self.rank, period, previous,
                              "locked" if previous is None else "changed",
                              int(self._start[-1]), peak, score, thr is not None)
-
-    def _period_and_anchor(self, toks: np.ndarray, gaps: np.ndarray, nlags: int,
-                           colls: int = 0):
-        n = len(toks)
-        ntypes = int(toks.max()) + 1
-        r = _kernels.categorical_acf(toks, ntypes, nlags)
-        if not np.isfinite(r[1:]).any():
-            return None
-        lags = np.arange(nlags + 1)
-        adj = r * n / np.maximum(n - lags, 1)      # undo the 1/n shrinkage at long lags
-        # Indels smear a long period's peak over neighbouring lags.
-        width = np.maximum(1, np.ceil(0.02 * lags)).astype(int)
-        sm = np.array([adj[max(0, k - w):k + w + 1].max() for k, w in zip(lags, width)])
-        waived = 0          # the first period passed over by the pipeline rule
-        cand = sm[self.min_period:]
-        top = float(cand.max())
-        # The ACF of an unrelated sequence at one lag is ~N(0, 1/n): over a
-        # few hundred lags a chance peak of 3/sqrt(n) is expected.
-        if top < max(self.min_peak, 4.0 / math.sqrt(n)):
-            return None
-        for k in range(self.min_period, nlags + 1):
-            if sm[k] < self.peak_fraction * top:
-                continue
-            lo = max(self.min_period, int(k - width[k]))
-            k_best = int(np.argmax(adj[lo:k + width[k] + 1])) + lo
-            if colls and colls * STEP_COLLECTIVE_EVERY * k_best < n:
-                waived = waived or k_best
-                continue                        # a micro-batch's period, not the step's
-            found = self._anchored(toks, gaps, k_best, ntypes, float(adj[k_best]), False)
-            if found or not colls or self._short:
-                return found                    # (too short: no longer period fits either)
-            # A stage's lag that passes the rule but no anchor marks (an even
-            # lag of its sends and receives in turn): the step's comes later.
-        if waived and not self._strict and colls * STEP_COLLECTIVE_EVERY * nlags < n:
-            # No period this window can lock holds its collectives once in
-            # STEP_COLLECTIVE_EVERY: too few to tell a step by (one, right
-            # after an attach). Locked as if the collective came after the
-            # lock: the job's other ranks say whether it is a step's.
-            return self._anchored(toks, gaps, waived, ntypes, float(adj[waived]), True)
-        return None
-
-    def _anchored(self, toks: np.ndarray, gaps: np.ndarray, period: int, ntypes: int,
-                  peak: float, waived: bool):
-        kk = anchor_length(period, ntypes, self.anchor_k)
-        if len(toks) < self.min_repeats * period + kk:
-            self._short = True
-            return None
-        scores, lead = _kernels.score_anchors(toks, gaps, period, kk, self.tolerance,
-                                              self.min_repeats - 1)
-        ok = scores >= max(self.min_anchor_score, 0.8 * scores.max())
-        if not ok.any():
-            return None
-        ph = int(np.argmax(np.where(ok, lead, -1)))
-        base = max(len(toks) - 2 * period - kk, 0)
-        return period, base + ph, float(scores[ph]), peak, waived
 
     # -- matching --------------------------------------------------------------------
 
@@ -505,6 +449,7 @@ class IterationEstimator:
             end = self._period_end(p)
             if gap <= P * (1 + self.tolerance) and self._prev_end is not None:
                 out.append(self._record(a, p, self._prev_end, end))
+                self._durs = self._durs[-(RELOCK_DURS - 1):] + [end - self._prev_end]
                 self.index += 1
                 self._irregular = 0
             else:
@@ -514,13 +459,24 @@ class IterationEstimator:
                 self._irregular += gap > P * (1 + self.tolerance)
             self._prev_end = end
             self._last_anchor = g_abs
-        if self._irregular >= 5 or self._n_since_anchor() > self.relock_after * P + k:
+        if self._irregular >= 5 or self._stalled(k):
             self.state = "relocking"
             self._try_at = self._seen
             if self._irregular >= 5:
                 self._last_anchor = self._offset + len(self._types) - 1
             self._irregular = 0
         return out
+
+    def _stalled(self, k: int) -> bool:
+        """No anchor for `relock_after` periods of calls (and its anchor's
+        k calls), and for `relock_after` times its latest iterations' median
+        duration, where it has any."""
+        if self._n_since_anchor() <= self.relock_after * self.period + k:
+            return False
+        if not self._durs or self._last_anchor is None:
+            return True
+        since = int(self._start[-1]) - int(self._start[self._last_anchor - self._offset])
+        return since > self.relock_after * float(np.median(self._durs))
 
     def _period_end(self, b: int) -> int | None:
         """When the iteration before anchor position b finished: the last end
