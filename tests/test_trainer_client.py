@@ -214,7 +214,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "param_server", "ring_attention",
                                      "ulysses_attention", "evolution_strategies",
                                      "topk_compression", "scatter_batches",
-                                     "fairseq_legacy", "async_checkpoint"])
+                                     "fairseq_legacy", "async_checkpoint", "diloco"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -242,7 +242,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     each rank its shard; fairseq's legacy trainer, batches by tokens,
     accumulation without communication, then the sample size and one flat
     gradient buffer all-reduced; asynchronous checkpoints, saved from a
-    background thread on a group of their own) stay runnable: 2
+    background thread on a group of their own; DiLoCo, inner steps with no
+    communication, then the pseudo-gradient all-reduced for an outer
+    Nesterov step) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -280,6 +282,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                                 "--layers", "2", "--checksums"),
              "async_checkpoint": ("--ckpt-every", "1", "--ckpt-dir", str(tmp_path),
                                   "--checksums"),
+             "diloco": ("--inner", "3", "--checksums"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -556,6 +559,15 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["job_tokens"] == mine[1, i]["job_tokens"] \
                 == mine[0, i]["tokens"] + mine[1, i]["tokens"], i
             assert mine[0, i]["loss"] == mine[1, i]["loss"], i
+    if example == "diloco":
+        # Each rank trains on its own data between outer steps (its losses
+        # its own); the pseudo-gradient is the ranks' mean (the same on
+        # each), and the global parameters they agree on move every step.
+        assert_replicas_equal_and_training(mine)
+        for i in range(6):
+            assert mine[0, i]["loss"] != mine[1, i]["loss"], i
+            assert mine[0, i]["pseudo_norm"] == mine[1, i]["pseudo_norm"] > 0, i
+        assert mine[0, 5]["loss"] < mine[0, 0]["loss"]
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
