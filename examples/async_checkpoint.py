@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -62,6 +63,10 @@ def checksum(net: nn.Module) -> float:
     return float(sum(q.detach().double().sum() for q in net.parameters()))
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt       # torchrun stops its workers with SIGTERM (Ctrl-C included)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=0, help="iterations (0: until killed)")
@@ -78,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _interrupt)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_pg = dist.new_group(backend="gloo")      # the saves' own group, as torchtitan's
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     centres = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(args.seed))
     log = open(args.truth, "a", buffering=1) if args.truth else None
     future, saved = None, []
-    step = 0
+    step, stopped = 0, False
     try:
         while not args.steps or step < args.steps:
             t0 = time.time_ns()
@@ -126,16 +132,18 @@ def main(argv=None) -> int:
                 log.write(json.dumps(row) + "\n")
             step += 1
     except KeyboardInterrupt:
-        pass
-    if future is not None:
+        stopped = True            # (the other ranks too: no collective waits for them)
+    if future is not None and not stopped:
         future.result()
     if log:
         log.write(json.dumps({"rank": rank, "final": True, "steps": step}) + "\n")
         log.close()
-    dist.barrier()
+    if not stopped:
+        dist.barrier()
     if own_dir and rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-    dist.destroy_process_group()
+    if not stopped:
+        dist.destroy_process_group()
     return 0
 
 
