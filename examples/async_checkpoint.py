@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -63,10 +62,6 @@ def checksum(net: nn.Module) -> float:
     return float(sum(q.detach().double().sum() for q in net.parameters()))
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt       # torchrun stops its workers with SIGTERM (Ctrl-C included)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=0, help="iterations (0: until killed)")
@@ -74,8 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=20, help="begin a save every N steps")
-    p.add_argument("--ckpt-dir", help="where the checkpoints go (default: a temporary "
-                   "directory, removed at exit)")
+    p.add_argument("--ckpt-dir", help="where the checkpoints go (default: a directory of "
+                   "this user's in the temporary directory, emptied at start)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--truth", help="append per-iteration ground truth here (JSON lines)")
     p.add_argument("--checksums", action="store_true",
@@ -83,16 +78,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, _interrupt)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_pg = dist.new_group(backend="gloo")      # the saves' own group, as torchtitan's
-    own_dir = args.ckpt_dir is None
-    root = Path(args.ckpt_dir or (tempfile.mkdtemp(prefix="async-ckpt-") if rank == 0 else ""))
-    if own_dir:                                   # rank 0's temporary directory, for all
-        names = [str(root)]
-        dist.broadcast_object_list(names, src=0)
-        root = Path(names[0])
+    root = Path(args.ckpt_dir or Path(tempfile.gettempdir()) / f"async_checkpoint-{os.getuid()}")
+    if args.ckpt_dir is None and rank == 0:
+        # Ours: a run killed before its end left its checkpoints (no save
+        # begins before rank 0 has trained with the others).
+        shutil.rmtree(root, ignore_errors=True)
     torch.manual_seed(args.seed)
     net = DDP(model(args.width, args.depth))
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr)
@@ -100,7 +93,7 @@ def main(argv=None) -> int:
     centres = torch.randn(CLASSES, FEATURES, generator=torch.Generator().manual_seed(args.seed))
     log = open(args.truth, "a", buffering=1) if args.truth else None
     future, saved = None, []
-    step, stopped = 0, False
+    step = 0
     try:
         while not args.steps or step < args.steps:
             t0 = time.time_ns()
@@ -132,18 +125,13 @@ def main(argv=None) -> int:
                 log.write(json.dumps(row) + "\n")
             step += 1
     except KeyboardInterrupt:
-        stopped = True            # (the other ranks too: no collective waits for them)
-    if future is not None and not stopped:
+        pass
+    if future is not None:
         future.result()
     if log:
         log.write(json.dumps({"rank": rank, "final": True, "steps": step}) + "\n")
         log.close()
-    if not stopped:
-        dist.barrier()
-    if own_dir and rank == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    if not stopped:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return 0
 
 

@@ -209,11 +209,7 @@ def cpu_share(pid: int, seconds: float) -> float:
 # -- training jobs ------------------------------------------------------------------
 
 def trainer_command(trainer: str, truth: Path, *args: str) -> list[str]:
-    # A job that checkpoints writes beside its truth log: one killed with
-    # SIGKILL cannot remove a temporary directory of its own.
-    ckpt = ["--ckpt-dir", str(truth.with_suffix(".ckpt"))] \
-        if trainer == "async" and "--ckpt-dir" not in args else []
-    return [str(TRAINERS[trainer]), "--truth", str(truth), *ckpt, *args]
+    return [str(TRAINERS[trainer]), "--truth", str(truth), *args]
 
 
 class DDPJob:

@@ -5,6 +5,7 @@ records in patterns.py).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -140,7 +141,7 @@ class IterationEstimator(PeriodSearch):
         self._scanned = 0           # global index up to which anchors were searched
         self._match_from = 0        # global index: where the lock's matching began
         self._irregular = 0
-        self._durs: list[int] = []  # the lock's latest iterations' durations (ns)
+        self._durs: deque = deque(maxlen=RELOCK_DURS)  # the lock's latest iterations (ns)
         self._seen = 0              # calls fed so far
         self._try_at = self.min_calls   # call count at which to estimate next
         self._one_from: int | None = None  # global index: a provisional period of one's calls
@@ -418,7 +419,8 @@ class IterationEstimator(PeriodSearch):
         self._judged = self._offset + lo
         self._own_ok = False
         self.state = "locked"
-        self._irregular, self._durs = 0, []
+        self._irregular = 0
+        self._durs.clear()
         self._scanned = self._match_from = self._offset + lo
         self._last_anchor = None
         self._prev_end = None
@@ -449,7 +451,7 @@ class IterationEstimator(PeriodSearch):
             end = self._period_end(p)
             if gap <= P * (1 + self.tolerance) and self._prev_end is not None:
                 out.append(self._record(a, p, self._prev_end, end))
-                self._durs = self._durs[-(RELOCK_DURS - 1):] + [end - self._prev_end]
+                self._durs.append(end - self._prev_end)
                 self.index += 1
                 self._irregular = 0
             else:
