@@ -214,7 +214,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "param_server", "ring_attention",
                                      "ulysses_attention", "evolution_strategies",
                                      "topk_compression", "scatter_batches",
-                                     "fairseq_legacy", "async_checkpoint", "diloco"])
+                                     "fairseq_legacy", "async_checkpoint", "diloco",
+                                     "gpipe_pipelining"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -244,7 +245,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     gradient buffer all-reduced; asynchronous checkpoints, saved from a
     background thread on a group of their own; DiLoCo, inner steps with no
     communication, then the pseudo-gradient all-reduced for an outer
-    Nesterov step) stay runnable: 2
+    Nesterov step; torch.distributed.pipelining's GPipe schedule, one
+    stage per rank) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -283,6 +285,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "async_checkpoint": ("--ckpt-every", "1", "--ckpt-dir", str(tmp_path),
                                   "--checksums"),
              "diloco": ("--inner", "3", "--checksums"),
+             "gpipe_pipelining": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
@@ -568,6 +571,26 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             assert mine[0, i]["loss"] != mine[1, i]["loss"], i
             assert mine[0, i]["pseudo_norm"] == mine[1, i]["pseudo_norm"] > 0, i
         assert mine[0, 5]["loss"] < mine[0, 0]["loss"]
+    if example == "gpipe_pipelining":
+        # Two stages, each with its half of the layers (the embeddings on
+        # the first, the head on the last); the schedule's losses (the
+        # last stage's) and the global gradient norms are the ones the
+        # same model trained in one process has, step by step, so the
+        # library's sends carried every activation and gradient to its
+        # place, and both stages step.
+        sys.path.insert(0, str(ROOT / "examples"))
+        try:
+            from gpipe_pipelining import reference
+        finally:
+            sys.path.remove(str(ROOT / "examples"))
+        assert [(mine[r, 0]["stage"], mine[r, 0]["layers"]) for r in range(2)] == [(0, 3),
+                                                                                 (1, 3)]
+        assert all(mine[0, i]["loss"] is None for i in range(6))
+        want = reference(6, dim=128, depth=6, context=64, batch_size=16, microbatches=4,
+                         stages=2)
+        assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
+        assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
+        assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
