@@ -215,7 +215,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "ulysses_attention", "evolution_strategies",
                                      "topk_compression", "scatter_batches",
                                      "fairseq_legacy", "async_checkpoint", "diloco",
-                                     "gpipe_pipelining"])
+                                     "gpipe_pipelining", "hierarchical_allreduce"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -246,7 +246,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     background thread on a group of their own; DiLoCo, inner steps with no
     communication, then the pseudo-gradient all-reduced for an outer
     Nesterov step; torch.distributed.pipelining's GPipe schedule, one
-    stage per rank) stay runnable: 2
+    stage per rank; a hierarchical all-reduce, within nodes then between
+    their leaders, 4 ranks) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -286,9 +287,11 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                                   "--checksums"),
              "diloco": ("--inner", "3", "--checksums"),
              "gpipe_pipelining": ("--checksums",),
+             "hierarchical_allreduce": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
-    nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh") else 2
+    nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
+                             "hierarchical_allreduce") else 2
     proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                     "--truth", str(truth), *extra)
     try:
@@ -591,6 +594,34 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
         assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
         assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+    if example == "hierarchical_allreduce":
+        # Two nodes of two, each led by its first rank; the four replicas
+        # stay equal as they step, each on its own samples, and the
+        # gradient they step on is the mean of the four ranks' own (step
+        # 0's recomputed here in one process): the reduce, the leaders'
+        # all-reduce and the broadcast carried every rank's share.
+        sys.path.insert(0, str(ROOT / "examples"))
+        try:
+            from hierarchical_allreduce import batch, model
+        finally:
+            sys.path.remove(str(ROOT / "examples"))
+        assert [(mine[r, 0]["node"], mine[r, 0]["leader"]) for r in range(4)] == \
+            [(0, True), (0, False), (1, True), (1, False)]
+        for i in range(6):
+            assert len({mine[r, i]["params"] for r in range(4)}) == 1, i
+            assert len({mine[r, i]["grad_norm"] for r in range(4)}) == 1, i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert len({mine[r, 0]["loss"] for r in range(4)}) == 4
+        import torch
+        import torch.nn.functional as F
+        net, grads = model(16, 0), []
+        for r in range(4):
+            x, y = batch(torch.Generator().manual_seed(1000 * r), 32)
+            net.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            grads.append(torch.cat([q.grad.reshape(-1) for q in net.parameters()]))
+        assert mine[0, 0]["grad_norm"] == pytest.approx(float((sum(grads) / 4).norm()),
+                                                        rel=1e-5)
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
