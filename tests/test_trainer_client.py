@@ -6,6 +6,7 @@ corpus's other job shapes (examples/fsdp_gloo.py, transformer_accum.py,
 checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py, bucketed_mlp.py) run."""
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from collections import defaultdict
@@ -21,6 +22,16 @@ def torchrun(tmp_path, nproc: int, script, *args: str) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
                              "--master-port", str(free_port()), str(script), *args],
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def example_module(name: str):
+    """examples/NAME.py imported (its helpers: a reference run, its model),
+    the examples directory on the path only while it loads."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
 
 
 def by_step(rows: list[dict]) -> dict[int, dict[int, dict]]:
@@ -403,11 +414,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # losses (the last stage's) and global gradient norms are the ones
         # the same model trained in one process has, step by step, so the
         # 1F1B schedule carried every activation and gradient to its place.
-        sys.path.insert(0, str(ROOT / "examples"))
-        try:
-            from pipeline_1f1b import reference
-        finally:
-            sys.path.remove(str(ROOT / "examples"))
+        reference = example_module("pipeline_1f1b").reference
         assert [(mine[r, 0]["stage"], mine[r, 0]["blocks"]) for r in range(2)] == [(0, 3),
                                                                                  (1, 3)]
         assert all(mine[0, i]["loss"] is None for i in range(6))
@@ -581,11 +588,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # same model trained in one process has, step by step, so the
         # library's sends carried every activation and gradient to its
         # place, and both stages step.
-        sys.path.insert(0, str(ROOT / "examples"))
-        try:
-            from gpipe_pipelining import reference
-        finally:
-            sys.path.remove(str(ROOT / "examples"))
+        reference = example_module("gpipe_pipelining").reference
         assert [(mine[r, 0]["stage"], mine[r, 0]["layers"]) for r in range(2)] == [(0, 3),
                                                                                  (1, 3)]
         assert all(mine[0, i]["loss"] is None for i in range(6))
@@ -600,11 +603,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # gradient they step on is the mean of the four ranks' own (step
         # 0's recomputed here in one process): the reduce, the leaders'
         # all-reduce and the broadcast carried every rank's share.
-        sys.path.insert(0, str(ROOT / "examples"))
-        try:
-            from hierarchical_allreduce import batch, model
-        finally:
-            sys.path.remove(str(ROOT / "examples"))
+        hier = example_module("hierarchical_allreduce")
         assert [(mine[r, 0]["node"], mine[r, 0]["leader"]) for r in range(4)] == \
             [(0, True), (0, False), (1, True), (1, False)]
         for i in range(6):
@@ -614,9 +613,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert len({mine[r, 0]["loss"] for r in range(4)}) == 4
         import torch
         import torch.nn.functional as F
-        net, grads = model(16, 0), []
+        net, grads = hier.model(16, 0), []
         for r in range(4):
-            x, y = batch(torch.Generator().manual_seed(1000 * r), 32)
+            x, y = hier.batch(torch.Generator().manual_seed(1000 * r), 32)
             net.zero_grad()
             F.cross_entropy(net(x), y).backward()
             grads.append(torch.cat([q.grad.reshape(-1) for q in net.parameters()]))
@@ -629,16 +628,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[0, i]["saved"] for i in range(6)] == list(range(6))
         assert sorted(d.name for d in tmp_path.glob("step-*")) == ["step-3", "step-4", "step-5"]
         import torch.distributed.checkpoint as dcp
-        sys.path.insert(0, str(ROOT / "examples"))
-        try:
-            from async_checkpoint import checksum, model
-        finally:
-            sys.path.remove(str(ROOT / "examples"))
-        net = model(256, 4)
+        ckpt = example_module("async_checkpoint")
+        net = ckpt.model(256, 4)
         state = {"model": net.state_dict(), "step": -1}
         import warnings
         with warnings.catch_warnings():     # (that it loads in one process: as asked)
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(state, checkpoint_id=str(tmp_path / "step-5"), no_dist=True)
         net.load_state_dict(state["model"])
-        assert state["step"] == 5 and checksum(net) == pytest.approx(mine[0, 5]["params"])
+        assert state["step"] == 5 and ckpt.checksum(net) == pytest.approx(mine[0, 5]["params"])
