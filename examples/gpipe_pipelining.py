@@ -47,9 +47,7 @@ class Layer(nn.Module):
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        n = h.shape[1]
-        mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.norm1(h)
         h = h + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
         return h + self.mlp(self.norm2(h))
@@ -57,21 +55,20 @@ class Layer(nn.Module):
 
 class Part(nn.Module):
     """A stage's part of the model: the embeddings on the first, a run of
-    layers, the final norm and head on the last."""
+    layers, the final norm and head on the last (None elsewhere)."""
 
-    def __init__(self, dim: int, context: int, layers: list[nn.Module], first: bool,
-                 last: bool):
+    def __init__(self, layers: list[nn.Module], embed=None, pos=None, norm=None, head=None):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim) if first else None
-        self.pos = nn.Parameter(torch.randn(context, dim) * 0.02) if first else None
+        self.embed, self.pos = embed, pos
         self.layers = nn.ModuleList(layers)
-        self.norm = nn.LayerNorm(dim) if last else None
-        self.head = nn.Linear(dim, VOCAB) if last else None
+        self.norm, self.head = norm, head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) + self.pos[:x.shape[1]] if self.embed is not None else x
+        n = x.shape[1]
+        h = self.embed(x) + self.pos[:n] if self.embed is not None else x
+        mask = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, mask)
         return self.head(self.norm(h)) if self.head is not None else h
 
 
@@ -81,22 +78,16 @@ def parts(dim: int, depth: int, context: int, stages: int, seed: int) -> list[Pa
     stages take the remainder)."""
     torch.manual_seed(seed)
     embed = nn.Embedding(VOCAB, dim)
-    pos = torch.randn(context, dim) * 0.02
+    pos = nn.Parameter(torch.randn(context, dim) * 0.02)
     layers = [Layer(dim) for _ in range(depth)]
     norm, head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
     per, extra = divmod(depth, stages)
     out, lo = [], 0
     for s in range(stages):
         hi = lo + per + (s < extra)
-        p = Part(dim, context, layers[lo:hi], s == 0, s == stages - 1)
-        if p.embed is not None:
-            p.embed.load_state_dict(embed.state_dict())
-            with torch.no_grad():
-                p.pos.copy_(pos)
-        if p.head is not None:
-            p.norm.load_state_dict(norm.state_dict())
-            p.head.load_state_dict(head.state_dict())
-        out.append(p)
+        first, last = s == 0, s == stages - 1
+        out.append(Part(layers[lo:hi], embed if first else None, pos if first else None,
+                        norm if last else None, head if last else None))
         lo = hi
     return out
 
