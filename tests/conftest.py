@@ -67,14 +67,15 @@ def pytest_terminal_summary(terminalreporter):
 
 # -- helpers (the harness is shared with the benchmarks and the demo) ---------
 
-from harness import (GREYHOUND, ROOT, Timeout, free_port, kill_tree, read_jsonl,  # noqa: E402,F401
-                     wait_for)
+from harness import (GREYHOUND, ROOT, Timeout, episode_onset, free_port, kill_tree,  # noqa: E402,F401
+                     read_jsonl, wait_for)
 from harness import DDPJob as _DDPJob  # noqa: E402
 from harness import Tracer as _Tracer  # noqa: E402
 
 TARGETS = ROOT / "tests" / "targets"
 QUIET_S = 3.0      # seconds without validation activity before a test injects
 SETTLED_SLOW_S = 40.0   # a job slowdown validated as nothing slow, this old, is the level
+EPISODE_GAP_S = 10.0    # job recoveries shorter than this join one host episode
 read_events = read_jsonl
 
 
@@ -118,7 +119,7 @@ class Tracer(_Tracer):
                        and e["scope"] == "job"]
             if not changes or changes[-1]["kind"] == "recovery":
                 return True
-            onset = changes[-1]["time_ns"]
+            onset = episode_onset(changes, EPISODE_GAP_S)
             return time.time_ns() - onset > SETTLED_SLOW_S * 1e9 and any(
                 e["kind"] == "diagnosis" and e["evidence"] == "validation"
                 and e["cause"] == "unknown" and e["time_ns"] > onset for e in evs)

@@ -416,3 +416,18 @@ def unconfirmed_slowdowns(events: list[dict], truth: list[dict], lo_ns: int = 0,
     log = corpus.job_log(truth)
     return [e for e in events if e["kind"] == "slowdown" and e.get("scope") == "job"
             and lo_ns <= e["onset_ns"] < hi_ns and not corpus.confirmed(log, e)]
+
+
+def episode_onset(changes: list[dict], gap_s: float) -> int:
+    """The onset (time_ns) of the job slowdown in progress at the end of
+    `changes` (job-scope slowdowns and recoveries, in order, the last a
+    slowdown): a host that flaps (a slowdown, a recovery lasting a moment,
+    a slowdown again; a CI run saw 90 s of it) is one episode, so a
+    recovery shorter than `gap_s` joins the slowdowns either side."""
+    onset, i = changes[-1]["time_ns"], len(changes) - 1
+    while i > 0 and not (changes[i - 1]["kind"] == "recovery"
+                         and changes[i]["time_ns"] - changes[i - 1]["time_ns"] > gap_s * 1e9):
+        i -= 1
+        if changes[i]["kind"] == "slowdown":
+            onset = changes[i]["time_ns"]
+    return onset
