@@ -226,7 +226,8 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "ulysses_attention", "evolution_strategies",
                                      "topk_compression", "scatter_batches",
                                      "fairseq_legacy", "async_checkpoint", "diloco",
-                                     "gpipe_pipelining", "hierarchical_allreduce"])
+                                     "gpipe_pipelining", "hierarchical_allreduce",
+                                     "interleaved_pipelining"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -258,7 +259,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     communication, then the pseudo-gradient all-reduced for an outer
     Nesterov step; torch.distributed.pipelining's GPipe schedule, one
     stage per rank; a hierarchical all-reduce, within nodes then between
-    their leaders, 4 ranks) stay runnable: 2
+    their leaders, 4 ranks; the interleaved 1F1B schedule, two stages per
+    rank) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -299,6 +301,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "diloco": ("--inner", "3", "--checksums"),
              "gpipe_pipelining": ("--checksums",),
              "hierarchical_allreduce": ("--checksums",),
+             "interleaved_pipelining": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
@@ -621,6 +624,21 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
             grads.append(torch.cat([q.grad.reshape(-1) for q in net.parameters()]))
         assert mine[0, 0]["grad_norm"] == pytest.approx(float((sum(grads) / 4).norm()),
                                                         rel=1e-5)
+    if example == "interleaved_pipelining":
+        # Four stages on two ranks, rank 0 holding the first and the third
+        # (so the micro-batches go round the ranks twice), one layer each;
+        # the losses (the last stage's, on rank 1) and the global gradient
+        # norms are those of the same model trained in one process, step
+        # by step: every activation and gradient reached its stage.
+        reference = example_module("gpipe_pipelining").reference
+        assert [(mine[r, 0]["stages"], mine[r, 0]["layers"]) for r in range(2)] == \
+            [([0, 2], 2), ([1, 3], 2)]
+        assert all(mine[0, i]["loss"] is None for i in range(6))
+        want = reference(6, dim=128, depth=4, context=64, batch_size=12, microbatches=4,
+                         stages=4)
+        assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
+        assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
+        assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
