@@ -227,7 +227,7 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
                                      "topk_compression", "scatter_batches",
                                      "fairseq_legacy", "async_checkpoint", "diloco",
                                      "gpipe_pipelining", "hierarchical_allreduce",
-                                     "interleaved_pipelining"])
+                                     "interleaved_pipelining", "data_mixing"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -260,7 +260,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     Nesterov step; torch.distributed.pipelining's GPipe schedule, one
     stage per rank; a hierarchical all-reduce, within nodes then between
     their leaders, 4 ranks; the interleaved 1F1B schedule, two stages per
-    rank) stay runnable: 2
+    rank; online data mixing, per-domain losses gathered and rank 0's new
+    weights broadcast as objects) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -302,6 +303,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "gpipe_pipelining": ("--checksums",),
              "hierarchical_allreduce": ("--checksums",),
              "interleaved_pipelining": ("--checksums",),
+             "data_mixing": ("--checksums",),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
@@ -639,6 +641,23 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
         assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
         assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+    if example == "data_mixing":
+        # The replicas train in step; every rank gathered the same
+        # per-domain losses (each rank's own in its place, the ranks'
+        # differing) and sampled by the same weights; rank 0's update of
+        # them, recomputed here from the gathered losses step by step, is
+        # the weights every rank sampled the next step by.
+        assert_replicas_equal_and_training(mine)
+        update = example_module("data_mixing").update
+        import math
+        weights, reference = [0.25] * 4, [math.log(8)] * 4
+        for i in range(6):
+            assert mine[0, i]["losses"] == mine[1, i]["losses"], i
+            assert mine[0, i]["losses"][0] != mine[0, i]["losses"][1], i
+            assert mine[0, i]["weights"] == mine[1, i]["weights"] \
+                == pytest.approx(weights, rel=1e-12), i
+            weights, reference = update(weights, mine[0, i]["losses"], reference)
+        assert sum(weights) == pytest.approx(1.0) and weights != [0.25] * 4
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
