@@ -122,6 +122,32 @@ def optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
 
 
+def finish_step(params: list[nn.Parameter], opt: torch.optim.Optimizer,
+                losses: list[torch.Tensor], last: bool) -> tuple[float, float | None]:
+    """After the schedule: clip by the model's global gradient norm (one
+    all-reduce of the ranks' squared norms), step, and return that norm and
+    the step's loss (the mean over the micro-batches on the rank holding
+    the last stage; None elsewhere)."""
+    norm_sq = sum((q.grad.double() ** 2).sum() for q in params)
+    dist.all_reduce(norm_sq)
+    norm = clip(params, norm_sq, 1.0)
+    opt.step()
+    return norm, float(torch.stack(losses).detach().mean()) if last else None
+
+
+def step_record(rank: int, step: int, t0: int, loss: float | None, norm: float,
+                params: list[nn.Parameter], checksums: bool, **where) -> str:
+    """One step's line of the truth log: `where` says which stages the rank
+    holds; with `checksums`, a checksum of its parameters."""
+    rec = {"rank": rank, "index": step, "start_ns": t0, "dur_ns": time.time_ns() - t0,
+           **where, "loss": round(loss, 6) if loss is not None else None,
+           "grad_norm": round(norm, 6)}
+    if checksums:
+        with torch.no_grad():
+            rec["params"] = round(sum(float(q.double().sum()) for q in params), 9)
+    return json.dumps(rec) + "\n"
+
+
 def reference(steps: int, dim: int, depth: int, context: int, batch_size: int,
               microbatches: int, stages: int, seed: int = 0) -> list[float]:
     """The same training in one process: each step's loss, the mean over
@@ -182,20 +208,10 @@ def main(argv=None) -> int:
                 schedule.step(target=y, losses=losses)
             else:
                 schedule.step()
-            norm_sq = sum((q.grad.double() ** 2).sum() for q in params)
-            dist.all_reduce(norm_sq)
-            norm = clip(params, norm_sq, 1.0)
-            opt.step()
-            loss = float(torch.stack(losses).detach().mean()) if last else None
+            norm, loss = finish_step(params, opt, losses, last)
             if log:
-                rec = {"rank": rank, "index": step, "start_ns": t0,
-                       "dur_ns": time.time_ns() - t0, "stage": rank,
-                       "layers": len(part.layers),
-                       "loss": round(loss, 6) if last else None, "grad_norm": round(norm, 6)}
-                if args.checksums:
-                    with torch.no_grad():
-                        rec["params"] = round(sum(float(q.double().sum()) for q in params), 9)
-                log.write(json.dumps(rec) + "\n")
+                log.write(step_record(rank, step, t0, loss, norm, params, args.checksums,
+                                      stage=rank, layers=len(part.layers)))
             if last and (step + 1) % 50 == 0:
                 print(f"step {step + 1}: loss {loss:.4f}", flush=True)
             step += 1

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
-from gpipe_pipelining import batch, clip, loss_fn, optimizer, parts
+from gpipe_pipelining import batch, finish_step, loss_fn, optimizer, parts, step_record
 
 
 def main(argv=None) -> int:
@@ -84,20 +84,11 @@ def main(argv=None) -> int:
                 schedule.step(target=y, losses=losses)
             else:
                 schedule.step()
-            norm_sq = sum((q.grad.double() ** 2).sum() for q in params)
-            dist.all_reduce(norm_sq)
-            norm = clip(params, norm_sq, 1.0)
-            opt.step()
-            loss = float(torch.stack(losses).detach().mean()) if last else None
+            norm, loss = finish_step(params, opt, losses, last)
             if log:
-                rec = {"rank": rank, "index": step, "start_ns": t0,
-                       "dur_ns": time.time_ns() - t0, "stages": mine,
-                       "layers": sum(len(whole[i].layers) for i in mine),
-                       "loss": round(loss, 6) if last else None, "grad_norm": round(norm, 6)}
-                if args.checksums:
-                    with torch.no_grad():
-                        rec["params"] = round(sum(float(q.double().sum()) for q in params), 9)
-                log.write(json.dumps(rec) + "\n")
+                log.write(step_record(rank, step, t0, loss, norm, params, args.checksums,
+                                      stages=mine,
+                                      layers=sum(len(whole[i].layers) for i in mine)))
             if last and (step + 1) % 50 == 0:
                 print(f"step {step + 1}: loss {loss:.4f}", flush=True)
             step += 1

@@ -211,6 +211,20 @@ def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
     assert len({mine[0, i][key] for i in range(6)}) == 6, key
 
 
+def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
+    """A 2-rank pipeline's 6 steps (the last stage on rank 1) against the
+    same model trained in one process (gpipe_pipelining.reference, 4
+    micro-batches, the examples' width and context): rank 1's losses step
+    by step, the same global gradient norm on both ranks, and every rank's
+    parameters moving every step."""
+    reference = example_module("gpipe_pipelining").reference
+    assert all(mine[0, i]["loss"] is None for i in range(6))
+    want = reference(6, dim=128, context=64, microbatches=4, **shape)
+    assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
+    assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
+    assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["fsdp_gloo", "transformer_accum", "checkpoint_eval",
                                      "varlen_lm", "powersgd_cnn", "bucketed_mlp",
@@ -593,15 +607,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # same model trained in one process has, step by step, so the
         # library's sends carried every activation and gradient to its
         # place, and both stages step.
-        reference = example_module("gpipe_pipelining").reference
         assert [(mine[r, 0]["stage"], mine[r, 0]["layers"]) for r in range(2)] == [(0, 3),
                                                                                  (1, 3)]
-        assert all(mine[0, i]["loss"] is None for i in range(6))
-        want = reference(6, dim=128, depth=6, context=64, batch_size=16, microbatches=4,
-                         stages=2)
-        assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
-        assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
-        assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+        assert_pipeline_matches_reference(mine, depth=6, batch_size=16, stages=2)
     if example == "hierarchical_allreduce":
         # Two nodes of two, each led by its first rank; the four replicas
         # stay equal as they step, each on its own samples, and the
@@ -632,15 +640,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         # the losses (the last stage's, on rank 1) and the global gradient
         # norms are those of the same model trained in one process, step
         # by step: every activation and gradient reached its stage.
-        reference = example_module("gpipe_pipelining").reference
         assert [(mine[r, 0]["stages"], mine[r, 0]["layers"]) for r in range(2)] == \
             [([0, 2], 2), ([1, 3], 2)]
-        assert all(mine[0, i]["loss"] is None for i in range(6))
-        want = reference(6, dim=128, depth=4, context=64, batch_size=12, microbatches=4,
-                         stages=4)
-        assert [mine[1, i]["loss"] for i in range(6)] == pytest.approx(want, abs=1e-5)
-        assert all(mine[0, i]["grad_norm"] == mine[1, i]["grad_norm"] for i in range(6))
-        assert len({mine[r, i]["params"] for r in range(2) for i in range(6)}) == 12
+        assert_pipeline_matches_reference(mine, depth=4, batch_size=12, stages=4)
     if example == "data_mixing":
         # The replicas train in step; every rank gathered the same
         # per-domain losses (each rank's own in its place, the ranks'
