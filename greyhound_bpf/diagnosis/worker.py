@@ -12,7 +12,7 @@ JSON lines on stdin/stdout:
     -> {"cmd": "gemm", "seconds": 0.3}
     <- {"ms_per_gemm": ..., "gflops": ..., "gemms": ..., "nvml": {...}}
     -> {"cmd": "p2p", "peer": j, "bytes": B, "seconds": 0.2}
-    <- {"rtt_ms": ..., "lat_us": ..., "gbps": ...}
+    <- {"rtt_ms": ..., "rtt_min_ms": ..., "lat_us": ..., "gbps": ...}
     -> {"cmd": "exit"}
 
 Each reply is one line; an error is {"error": "..."}. The worker exits when
@@ -254,13 +254,24 @@ def time_link(pingpong, tell, small, big, nbytes: int, first: bool, seconds: flo
     rtts, t0 = [], time.perf_counter()
     while tell((len(rtts) < 3 or time.perf_counter() - t0 < seconds) if first else None):
         rtts.append(pingpong(big))
-    # The fastest round trip: the link's capacity. Noise (scheduling on a
-    # shared host, other traffic) only ever adds time, while a rate limit or
-    # a degraded link slows every round trip, the fastest too.
-    rtt = min(rtts)
-    return {"rtt_ms": rtt * 1e3, "rtt_median_ms": statistics.median(rtts) * 1e3,
+    rtt = low_round_trip(rtts)
+    return {"rtt_ms": rtt * 1e3, "rtt_min_ms": min(rtts) * 1e3,
+            "rtt_median_ms": statistics.median(rtts) * 1e3,
             "lat_us": min(lat) / 2 * 1e6,
             "gbps": 2 * nbytes * 8 / rtt / 1e9, "round_trips": len(rtts)}
+
+
+def low_round_trip(rtts: list[float]) -> float:
+    """The round trip a link is judged by: the 10th percentile (nearest
+    rank; the fastest of fewer than ten). Noise (scheduling on a shared
+    host, other traffic) mostly adds time, while a rate limit or a degraded
+    link slows every round trip, these too. Not the single fastest: on this
+    2-core VM one healthy edge's fastest of 47 read 1.10 ms where its
+    median was 4.09 and the other healthy edges' fastest 2.3-3.4 ms (10
+    readings of three runs), and against it the two edges of a healthy
+    node read x2.79, a slow link (a clean-clone CI run, the three-node
+    live test)."""
+    return sorted(rtts)[len(rtts) // 10]
 
 
 class Worker:
