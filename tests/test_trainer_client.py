@@ -241,7 +241,7 @@ def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
                                      "topk_compression", "scatter_batches",
                                      "fairseq_legacy", "async_checkpoint", "diloco",
                                      "gpipe_pipelining", "hierarchical_allreduce",
-                                     "interleaved_pipelining", "data_mixing"])
+                                     "interleaved_pipelining", "data_mixing", "fednova"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -275,7 +275,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     stage per rank; a hierarchical all-reduce, within nodes then between
     their leaders, 4 ranks; the interleaved 1F1B schedule, two stages per
     rank; online data mixing, per-domain losses gathered and rank 0's new
-    weights broadcast as objects) stay runnable: 2
+    weights broadcast as objects; FedNova, each client a random number of
+    local steps a round, then normalized averaging) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -318,6 +319,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "hierarchical_allreduce": ("--checksums",),
              "interleaved_pipelining": ("--checksums",),
              "data_mixing": ("--checksums",),
+             "fednova": ("--checksums", "--samples", "256"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
@@ -660,6 +662,44 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                 == pytest.approx(weights, rel=1e-12), i
             weights, reference = update(weights, mine[0, i]["losses"], reference)
         assert sum(weights) == pytest.approx(1.0) and weights != [0.25] * 4
+    if example == "fednova":
+        # Each client its own random number of local steps a round (drawn
+        # as local_steps says), its own data and losses; the weighted mean
+        # step count and the global model are the same on both, and round
+        # 0's global model is FedNova's normalized average of the two
+        # clients' local runs, recomputed here in one process.
+        assert_replicas_equal_and_training(mine, "params")
+        fed = example_module("fednova")
+        share = [fed.samples(r, 256) / (fed.samples(0, 256) + fed.samples(1, 256))
+                 for r in range(2)]
+        for i in range(6):
+            taus = [mine[r, i]["tau"] for r in range(2)]
+            assert taus == [fed.local_steps(0, i, r, 2, 8) for r in range(2)], i
+            assert [mine[r, i]["share"] for r in range(2)] == pytest.approx(share)
+            assert mine[0, i]["tau_eff"] == mine[1, i]["tau_eff"] == pytest.approx(
+                share[0] * taus[0] + share[1] * taus[1]), i
+            assert mine[0, i]["loss"] != mine[1, i]["loss"], i
+        assert any(mine[0, i]["tau"] != mine[1, i]["tau"] for i in range(6))
+        import torch
+        import torch.nn.functional as F
+        start = [q.detach().clone() for q in fed.model(256, 0).parameters()]
+        moved, taus = [], [mine[r, 0]["tau"] for r in range(2)]
+        for r in range(2):
+            net = fed.model(256, 0)
+            x, y = fed.client_data(r, fed.samples(r, 256), 0)
+            order, opt = torch.Generator().manual_seed(7 + r), torch.optim.SGD(
+                net.parameters(), lr=0.05)
+            for _ in range(taus[r]):
+                pick = torch.randint(0, len(y), (128,), generator=order)
+                opt.zero_grad()
+                F.cross_entropy(net(x[pick]), y[pick]).backward()
+                opt.step()
+            moved.append([(g - q.detach()) * share[r] / taus[r]
+                          for g, q in zip(start, net.parameters())])
+        tau_eff = share[0] * taus[0] + share[1] * taus[1]
+        glob = [g - tau_eff * (a + b) for g, a, b in zip(start, *moved)]
+        assert mine[0, 0]["params"] == pytest.approx(
+            float(sum(g.double().sum() for g in glob)), rel=1e-5)
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
