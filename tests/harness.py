@@ -64,7 +64,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "hier": ROOT / "examples" / "hierarchical_allreduce.py",
             "interleaved": ROOT / "examples" / "interleaved_pipelining.py",
             "mixing": ROOT / "examples" / "data_mixing.py",
-            "fednova": ROOT / "examples" / "fednova.py"}
+            "fednova": ROOT / "examples" / "fednova.py",
+            "stale": ROOT / "examples" / "stale_allreduce.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

@@ -241,7 +241,8 @@ def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
                                      "topk_compression", "scatter_batches",
                                      "fairseq_legacy", "async_checkpoint", "diloco",
                                      "gpipe_pipelining", "hierarchical_allreduce",
-                                     "interleaved_pipelining", "data_mixing", "fednova"])
+                                     "interleaved_pipelining", "data_mixing", "fednova",
+                                     "stale_allreduce"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -276,7 +277,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     their leaders, 4 ranks; the interleaved 1F1B schedule, two stages per
     rank; online data mixing, per-domain losses gathered and rank 0's new
     weights broadcast as objects; FedNova, each client a random number of
-    local steps a round, then normalized averaging) stay runnable: 2
+    local steps a round, then normalized averaging; gradients all-reduced
+    asynchronously and applied a step late) stay runnable: 2
     ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -320,6 +322,7 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "interleaved_pipelining": ("--checksums",),
              "data_mixing": ("--checksums",),
              "fednova": ("--checksums", "--samples", "256"),
+             "stale_allreduce": ("--checksums", "--width", "8"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
@@ -700,6 +703,31 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         glob = [g - tau_eff * (a + b) for g, a, b in zip(start, *moved)]
         assert mine[0, 0]["params"] == pytest.approx(
             float(sum(g.double().sum() for g in glob)), rel=1e-5)
+    if example == "stale_allreduce":
+        # Step t applies step t - 1's averaged gradients (step 0 nothing:
+        # its parameters are the initial ones); the replicas stay equal
+        # and move from step 1 on, and step 1's move is the mean of the
+        # two ranks' step-0 gradients, recomputed here in one process.
+        st = example_module("stale_allreduce")
+        assert [mine[0, i]["applied"] for i in range(6)] == [None, 0, 1, 2, 3, 4]
+        init = st.model(8, 0)
+        assert mine[0, 0]["params"] == mine[1, 0]["params"] == pytest.approx(
+            float(sum(q.detach().double().sum() for q in init.parameters())), rel=1e-9)
+        for i in range(1, 6):
+            assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9), i
+        assert len({mine[0, i]["params"] for i in range(6)}) == 6
+        assert mine[0, 0]["grad"] != mine[1, 0]["grad"]
+        import torch
+        import torch.nn.functional as F
+        grads = []
+        for r in range(2):
+            net = st.model(8, 0)
+            x, y = st.batch(torch.Generator().manual_seed(1000 * r), 64)
+            F.cross_entropy(net(x), y).backward()
+            grads.append(sum(float(q.grad.double().sum()) for q in net.parameters()))
+        assert [mine[r, 0]["grad"] for r in range(2)] == pytest.approx(grads, rel=1e-5)
+        assert mine[0, 1]["params"] - mine[0, 0]["params"] == pytest.approx(
+            -0.2 * (grads[0] + grads[1]) / 2, rel=1e-3)
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
