@@ -146,8 +146,9 @@ def test_device_and_link_both_slow_is_not_a_guess():
 
 def _timed(rtts_ms: list[float]) -> dict:
     """`time_link` (the lower rank's end) over these round trips, in order."""
-    from greyhound_bpf.diagnosis.worker import time_link
-    times = iter([1e-5] * 21 + [x / 1e3 for x in rtts_ms])   # set-up, latency, then these
+    from greyhound_bpf.diagnosis.worker import LATENCY_REPS, time_link
+    # The connection's set-up, the latency round trips, then these.
+    times = iter([1e-5] * (1 + LATENCY_REPS) + [x / 1e3 for x in rtts_ms])
     left = [len(rtts_ms)]
 
     def tell(more):
