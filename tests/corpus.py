@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
+import os
 import statistics
 import tomllib
+import traceback
 from pathlib import Path
 
 from greyhound_bpf.engine.iterations import ITERATION_FIELDS
@@ -84,6 +87,25 @@ def _scenario(name: str) -> dict:
 def replay(name: str, **config) -> list[dict]:
     from greyhound_bpf.replay import replay as run
     return run(str(SCENARIOS / f"{name}.rec.gz"), **config)
+
+
+def score_one(name: str) -> tuple[str, dict | str]:
+    try:
+        return name, score(truth(name), replay(name))
+    except Exception:           # one scenario's failure is its own tests' failure
+        return name, traceback.format_exc()
+
+
+def score_all(names: list[str]) -> dict[str, dict | str]:
+    """Each scenario replayed and scored, one process per usable core (a
+    replay is pure: test_replay_is_deterministic_across_processes), so the
+    corpus's replays take half the time on CI's two cores. A scenario whose
+    replay raised maps to the traceback."""
+    n = min(len(os.sched_getaffinity(0)), len(names))
+    if n <= 1:
+        return dict(map(score_one, names))
+    with multiprocessing.get_context("forkserver").Pool(n) as pool:
+        return dict(pool.imap_unordered(score_one, names))
 
 
 def attached_later(name: str, at_ns: int, for_s: float) -> dict:

@@ -17,12 +17,21 @@ ALL = corpus.names()
 
 
 @pytest.fixture(scope="module")
-def scored():
-    cache = {}
+def scored(request):
+    """Every scenario this run's tests ask for, replayed once, side by side
+    on the machine's cores when the first of them runs."""
+    wanted = set()
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if item.module is request.module and spec is not None and "name" in spec.params:
+            wanted.add(spec.params["name"])
+    cache = corpus.score_all(sorted(wanted))
 
     def get(name):
         if name not in cache:
-            cache[name] = corpus.score(corpus.truth(name), corpus.replay(name))
+            cache.update([corpus.score_one(name)])
+        if isinstance(cache[name], str):
+            pytest.fail(f"replaying {name} raised:\n{cache[name]}")
         return cache[name]
     return get
 
