@@ -7,8 +7,10 @@ checkpoint_eval.py, varlen_lm.py, powersgd_cnn.py, bucketed_mlp.py) run."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
@@ -22,6 +24,43 @@ def torchrun(tmp_path, nproc: int, script, *args: str) -> subprocess.Popen:
     return subprocess.Popen([str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
                              "--master-port", str(free_port()), str(script), *args],
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class Ranks:
+    """NPROC ranks of a script started with the environment torchrun gives
+    its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR
+    and MASTER_PORT: env:// rendezvous), one process each, their output in
+    one file, without the launcher's own second of start-up: for the tests
+    of what an example computes, not of how it is launched (the tests that
+    follow a plan, and every live test, use torchrun)."""
+
+    def __init__(self, tmp_path, nproc: int, script, *args: str):
+        port = str(free_port())
+        with open(tmp_path / f"{script.stem}.out", "w") as out:
+            self.procs = [subprocess.Popen(
+                [str(BIN / "python"), str(script), *args],
+                env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r),
+                     "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                for r in range(nproc)]
+
+    def wait(self, timeout: float) -> int | None:
+        """0 once every rank exited 0; the first failing rank's exit status
+        as soon as one fails (as torchrun, which then stops the others); None
+        if they still run after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in self.procs]
+            failed = [c for c in codes if c]
+            if failed or None not in codes:
+                return failed[0] if failed else 0
+            time.sleep(0.05)
+        return None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            kill_tree(p)
 
 
 def example_module(name: str):
@@ -327,12 +366,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
                              "hierarchical_allreduce") else 2
-    proc = torchrun(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
-                    "--truth", str(truth), *extra)
+    ranks = Ranks(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
+                  "--truth", str(truth), *extra)
     try:
-        assert proc.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
+        assert ranks.wait(120) == 0, (tmp_path / f"{example}.out").read_text()[-2000:]
     finally:
-        kill_tree(proc)         # a hung rank (and its launcher) is not left behind
+        ranks.kill()            # a hung rank is not left behind
     rows = read_jsonl(truth)
     its = sorted((d["rank"], d["index"]) for d in rows if "dur_ns" in d)
     steps = {r: 6 * (1 + r) if example == "join_lstm" else 6 for r in range(nproc)}
