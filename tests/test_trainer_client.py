@@ -242,12 +242,14 @@ def test_a_trainer_that_cannot_restart_is_not_asked_to(one_rank_group, tmp_path)
     assert not (tmp_path / "ctl.json.restart").exists()
 
 
-def assert_replicas_equal_and_training(mine: dict, key: str = "params") -> None:
-    """Ranks 0 and 1's checksums `key` equal at each of the 6 steps (their
-    replicas kept in step), and different at every step (they train)."""
+def assert_replicas_equal_and_training(mine: dict, key: str = "params",
+                                       ranks: tuple[int, int] = (0, 1)) -> None:
+    """Two ranks' (0 and 1's) checksums `key` equal at each of the 6 steps
+    (their replicas kept in step), and different at every step (they train)."""
+    a, b = ranks
     for i in range(6):
-        assert mine[0, i][key] == pytest.approx(mine[1, i][key], rel=1e-9), (i, key)
-    assert len({mine[0, i][key] for i in range(6)}) == 6, key
+        assert mine[a, i][key] == pytest.approx(mine[b, i][key], rel=1e-9), (i, key)
+    assert len({mine[a, i][key] for i in range(6)}) == 6, key
 
 
 def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
@@ -281,7 +283,7 @@ def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
                                      "fairseq_legacy", "async_checkpoint", "diloco",
                                      "gpipe_pipelining", "hierarchical_allreduce",
                                      "interleaved_pipelining", "data_mixing", "fednova",
-                                     "stale_allreduce"])
+                                     "stale_allreduce", "distill_teacher"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -317,8 +319,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     rank; online data mixing, per-domain losses gathered and rank 0's new
     weights broadcast as objects; FedNova, each client a random number of
     local steps a round, then normalized averaging; gradients all-reduced
-    asynchronously and applied a step late) stay runnable: 2
-    ranks (or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
+    asynchronously and applied a step late; a teacher rank scattering soft
+    targets to students trained on a group of their own) stay runnable: 2
+    ranks (or 3, or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
     extra = {"checkpoint_eval": ("--ckpt-every", "3", "--eval-every", "4", "--ckpt-mb", "1",
@@ -362,10 +365,12 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "data_mixing": ("--checksums",),
              "fednova": ("--checksums", "--samples", "256"),
              "stale_allreduce": ("--checksums", "--width", "8"),
+             "distill_teacher": ("--checksums", "--batch", "64", "--teacher-width", "64",
+                                 "--student-width", "32"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
                               "--checksums")}.get(example, ())
     nproc = 4 if example in ("tensor_data_parallel", "hsdp_mesh",
-                             "hierarchical_allreduce") else 2
+                             "hierarchical_allreduce") else 3 if example == "distill_teacher" else 2
     ranks = Ranks(tmp_path, nproc, ROOT / "examples" / f"{example}.py", "--steps", "6",
                   "--truth", str(truth), *extra)
     try:
@@ -765,6 +770,39 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[r, 0]["grad"] for r in range(2)] == pytest.approx(grads, rel=1e-5)
         assert mine[0, 1]["params"] - mine[0, 0]["params"] == pytest.approx(
             -0.2 * (grads[0] + grads[1]) / 2, rel=1e-3)
+    if example == "distill_teacher":
+        # Rank 0 only teaches: it sends each step what the two students
+        # receive. The students' replicas stay equal and train, and step 0
+        # is recomputed here in one process: the teacher's soft targets for
+        # each student's batch, each student's loss, and the SGD step on
+        # the mean of their gradients (DDP over the students alone).
+        assert all(mine[0, i]["role"] == "teacher" and mine[0, i]["loss"] is None
+                   for i in range(6))
+        for i in range(6):
+            assert mine[0, i]["targets"] == pytest.approx(
+                mine[1, i]["targets"] + mine[2, i]["targets"], rel=1e-5, abs=1e-3), i
+            assert mine[1, i]["loss"] != mine[2, i]["loss"], i
+        assert_replicas_equal_and_training(mine, ranks=(1, 2))
+        import torch
+        kd = example_module("distill_teacher")
+        teacher, net = kd.teacher(64, 0), kd.student(32, 0)
+        losses = []
+        for s in (1, 2):
+            x, y = kd.batch(kd.data(0, s), 64)
+            logits = net(x)
+            # Hinton et al.'s loss written out: T^2 KL(teacher || student)
+            # at T = 2, weighted 0.7, and 0.3 of the labels' cross-entropy.
+            p_t = torch.softmax(teacher(x) / 2, dim=1)
+            log_s = torch.log_softmax(logits / 2, dim=1)
+            kl = (p_t * (p_t.log() - log_s)).sum(dim=1).mean() * 4
+            ce = -torch.log_softmax(logits, dim=1)[torch.arange(64), y].mean()
+            loss = 0.7 * kl + 0.3 * ce
+            (loss / 2).backward()           # gradients accumulate: their mean
+            losses.append(loss.item())
+        assert [mine[s, 0]["loss"] for s in (1, 2)] == pytest.approx(losses, abs=2e-6)
+        with torch.no_grad():
+            after = sum(float((q - 0.1 * q.grad).double().sum()) for q in net.parameters())
+        assert mine[1, 0]["params"] == pytest.approx(after, rel=1e-6)
     if example == "async_checkpoint":
         # A save begun every step, the two latest finished ones kept beside
         # the last; that one holds the model of the step that began it.
