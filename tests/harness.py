@@ -66,7 +66,8 @@ TRAINERS = {"demo": ROOT / "scripts" / "demo_train.py",
             "mixing": ROOT / "examples" / "data_mixing.py",
             "fednova": ROOT / "examples" / "fednova.py",
             "stale": ROOT / "examples" / "stale_allreduce.py",
-            "distill": ROOT / "examples" / "distill_teacher.py"}
+            "distill": ROOT / "examples" / "distill_teacher.py",
+            "adaptive": ROOT / "examples" / "adaptive_averaging.py"}
 # A compute-bound demo job: large micro-batches of a small model, so that
 # the gradient all-reduce (one bucket) is a small part of an iteration, as
 # in real training; 8 micro-batches per rank, 32 in all with 4 ranks.

@@ -283,7 +283,8 @@ def assert_pipeline_matches_reference(mine: dict, **shape) -> None:
                                      "fairseq_legacy", "async_checkpoint", "diloco",
                                      "gpipe_pipelining", "hierarchical_allreduce",
                                      "interleaved_pipelining", "data_mixing", "fednova",
-                                     "stale_allreduce", "distill_teacher"])
+                                     "stale_allreduce", "distill_teacher",
+                                     "adaptive_averaging"])
 def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example):
     """The corpus's other job shapes (FSDP2; no_sync accumulation;
     rank 0's checkpoints and periodic evaluation; each rank's own sequence
@@ -320,7 +321,9 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
     weights broadcast as objects; FedNova, each client a random number of
     local steps a round, then normalized averaging; gradients all-reduced
     asynchronously and applied a step late; a teacher rank scattering soft
-    targets to students trained on a group of their own) stay runnable: 2
+    targets to students trained on a group of their own; local SGD whose
+    replicas are averaged when their drift, all-reduced every step, passes
+    a threshold) stay runnable: 2
     ranks (or 3, or 4), 6 steps each (6 epochs of 1 and 2 batches for the uneven
     shards), every iteration in the truth log."""
     truth = tmp_path / "truth.jsonl"
@@ -365,6 +368,8 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
              "data_mixing": ("--checksums",),
              "fednova": ("--checksums", "--samples", "256"),
              "stale_allreduce": ("--checksums", "--width", "8"),
+             "adaptive_averaging": ("--checksums", "--width", "32", "--threshold", "0.024",
+                                    "--max-period", "4"),
              "distill_teacher": ("--checksums", "--batch", "64", "--teacher-width", "64",
                                  "--student-width", "32"),
              "batch_rampup": ("--start-mb", "1", "--mb", "3", "--ramp-every", "2",
@@ -770,6 +775,30 @@ def test_the_held_out_job_shapes_run_and_log_their_iterations(tmp_path, example)
         assert [mine[r, 0]["grad"] for r in range(2)] == pytest.approx(grads, rel=1e-5)
         assert mine[0, 1]["params"] - mine[0, 0]["params"] == pytest.approx(
             -0.2 * (grads[0] + grads[1]) / 2, rel=1e-3)
+    if example == "adaptive_averaging":
+        # The ranks agree at every step whether to average, by the rule
+        # (their mean drift over the threshold, or 4 steps since the last
+        # average), from the drifts they logged; both ways come up in 6
+        # steps. An average is the mean of the two replicas (its checksum
+        # the mean of theirs) and equal on both; between averages the
+        # replicas part.
+        since, seen = 0, set()
+        for i in range(6):
+            since += 1
+            mean = (mine[0, i]["drift"] + mine[1, i]["drift"]) / 2
+            want = mean > 0.024 or since >= 4
+            assert mine[0, i]["averaged"] == mine[1, i]["averaged"] == want, (i, mean)
+            seen.add(want)
+            if want:
+                since = 0
+                assert mine[0, i]["params"] == pytest.approx(mine[1, i]["params"], rel=1e-9)
+                assert mine[0, i]["params"] == pytest.approx(
+                    (mine[0, i]["local"] + mine[1, i]["local"]) / 2, rel=1e-6), i
+            else:
+                assert [mine[r, i]["params"] for r in range(2)] == [
+                    mine[r, i]["local"] for r in range(2)]
+                assert mine[0, i]["params"] != mine[1, i]["params"], i
+        assert seen == {True, False}
     if example == "distill_teacher":
         # Rank 0 only teaches: it sends each step what the two students
         # receive. The students' replicas stay equal and train, and step 0

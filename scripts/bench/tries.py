@@ -58,7 +58,7 @@ SHAPES = {"user": (NPROC, TRAIN), "accum": (3, ()), "fsdp": (3, ()), "ckpt": (3,
           "scatter": (3, ()), "fairseq": (3, ()), "async": (3, ()),
           "diloco": (3, ()), "gpipe": (3, ()), "hier": (4, ()),
           "interleaved": (3, ()), "mixing": (3, ()), "fednova": (3, ()),
-          "stale": (3, ()), "distill": (3, ())}
+          "stale": (3, ()), "distill": (3, ()), "adaptive": (3, ())}
 BEFORE_WITHIN_S = 15.0
 AFTER_WITHIN_S = 20.0
 PERIOD_MS = None            # --period-ms: the quota's CFS period (None: inject's default)
