@@ -1,9 +1,10 @@
 """The cross-section call by call (diagnosis/callcross.py) fed synthetic
 gloo all-reduce records in the real record layout (probe.records.CALL_DTYPE):
 a slow job with few collectives an iteration gets its straggler named from
-the calls alone; a healthy one, one long stall, subgroups, a job with many
-collectives an iteration, Greyhound's own activity and a plan's uneven split
-get nothing."""
+the calls alone, and so does a dense one before any rank's calls locked
+into iterations; a healthy one, one long stall, subgroups, a job with many
+collectives an iteration once its iterations are counted, Greyhound's own
+activity and a plan's uneven split get nothing."""
 import random
 
 import numpy as np
@@ -105,6 +106,28 @@ def test_a_job_with_many_collectives_an_iteration_is_left_to_the_iterations():
     cc = CallCross(CAT)
     assert feed(cc, job({0: 300, 1: 300, 2: 900}, 40, calls=30)) == []
     assert cc.last is None
+
+
+def test_a_dense_job_no_rank_has_locked_on_is_looked_at_call_by_call():
+    # 10 all-reduces an iteration, too many over SPAN_S for this look once
+    # the iterations are counted; before any rank's calls locked into
+    # iterations (steps at an irregular rhythm lock late) no iteration
+    # look can run, so this one does, and names the straggler from the
+    # calls. A healthy dense job, one rank 10% busier and a stall, still
+    # gets nothing.
+    slow = job({0: 300, 1: 300, 2: 900}, 40, calls=10)
+    assert feed(CallCross(CAT), slow) == []
+    cc = CallCross(CAT)
+    cc.locked(False)
+    got = feed(cc, slow)
+    assert [(v.cause, v.ranks, v.details["calls"]) for v in got] == [
+        ("computation", (2,), True)]
+    assert got[0].details["at_ns"] < 15 * S
+    cc = CallCross(CAT)
+    cc.locked(False)
+    assert feed(cc, job({0: 330, 1: 300, 2: 300}, 150, calls=10, jitter=0.2, seed=5,
+                        stall=(1, 50, 3000))) == []
+    assert cc.last is not None and cc.last["collectives"] >= 24     # it did look
 
 
 def test_subgroups_are_not_compared():

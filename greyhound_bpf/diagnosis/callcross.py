@@ -33,8 +33,15 @@ a fault), rank s is a computation straggler when
 Only where the iterations cannot be counted in time: once the lowest
 rank's calls span SPAN_S (its pace known), and only while it made fewer
 than MIN_ARRIVALS collectives over SPAN_S (what the early look needs over
-that span). Not under an uneven split of the work (a plan in force), nor
-over calls Greyhound's own activity overlapped. Only blocking collectives
+that span), or while no rank's calls have locked into iterations at all
+(`locked`): a job dense in collectives whose steps come at an irregular
+rhythm locks late (examples/adaptive_averaging.py, a parameter average
+every 8-13 steps: 20-25 s after an attach), and until it has, no look of
+the iterations' can run (one whose KEEP latest collectives span less than
+SPAN_S is still left to them). Not under an uneven split of the work (a plan in
+force), nor over calls Greyhound's own activity overlapped. (Across nodes
+an agent shares the calls of sparse ranks only; a dense job's are judged
+by each node's own analysis.) Only blocking collectives
 count (gloo's): an NCCL call only enqueues, and its host-side time says
 nothing of who arrived last.
 """
@@ -97,6 +104,7 @@ class CallCross:
         self._looked: int | None = None      # the end of the last look's window
         self._share = False                  # keep what `shared` gives (an agent asks)
         self._shared: dict[int, list[tuple]] = {}
+        self._locked = True                  # as the controller's: it is sent iterations
 
     def work(self, microbatches: dict[int, int | None] | None) -> None:
         """An uneven split of the work (a plan in force) stops the looks: a
@@ -105,6 +113,12 @@ class CallCross:
         uneven = len(m) > 1
         if uneven != self._uneven:
             self._uneven, self.streak.looks = uneven, []
+
+    def locked(self, any_rank: bool) -> None:
+        """Whether any rank's calls have locked into iterations (the
+        analysis says, before each batch of calls): until one has, a job
+        dense in collectives is looked at call by call too."""
+        self._locked = any_rank
 
     def feed(self, recs: np.ndarray, rank_of: dict[int, int | None]) -> list[Diagnosis]:
         if len(recs) == 0:
@@ -181,8 +195,8 @@ class CallCross:
         if not mine:
             return None
         end = mine[-1][2]
-        if end - mine[0][1] < SPAN_S * 1e9 or \
-                sum(x[1] >= end - SPAN_S * 1e9 for x in mine) >= MIN_ARRIVALS:
+        if end - mine[0][1] < SPAN_S * 1e9 or (self._locked and
+                sum(x[1] >= end - SPAN_S * 1e9 for x in mine) >= MIN_ARRIVALS):
             return None             # its pace unknown yet, or the iterations' looks will do
         idx = {r: list(x) for r, x in self.calls.items()}
         idx[lead] = mine
