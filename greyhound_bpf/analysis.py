@@ -309,7 +309,7 @@ class JobAnalysis:
         rank_of = self.rank_of()
         self.topology.feed(recs, rank_of)
         out = self._engine(self.pipeline.feed_records(recs, rank_of))
-        self.callcross.locked(any(rs.estimator.state == "locked"
+        self.callcross.locked(all(rs.estimator.state == "locked"
                                   for rs in self.pipeline.ranks.values()))
         return out + self._verdicts(self.bandwidth.feed(recs, rank_of) +
                                     self.callcross.feed(recs, rank_of), inp.t_ns)

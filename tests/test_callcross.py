@@ -1,7 +1,7 @@
 """The cross-section call by call (diagnosis/callcross.py) fed synthetic
 gloo all-reduce records in the real record layout (probe.records.CALL_DTYPE):
 a slow job with few collectives an iteration gets its straggler named from
-the calls alone, and so does a dense one before any rank's calls locked
+the calls alone, and so does a dense one before every rank's calls locked
 into iterations; a healthy one, one long stall, subgroups, a job with many
 collectives an iteration once its iterations are counted, Greyhound's own
 activity and a plan's uneven split get nothing."""
@@ -108,9 +108,9 @@ def test_a_job_with_many_collectives_an_iteration_is_left_to_the_iterations():
     assert cc.last is None
 
 
-def test_a_dense_job_no_rank_has_locked_on_is_looked_at_call_by_call():
+def test_a_dense_job_not_every_rank_has_locked_on_is_looked_at_call_by_call():
     # 10 all-reduces an iteration, too many over SPAN_S for this look once
-    # the iterations are counted; before any rank's calls locked into
+    # the iterations are counted; before every rank's calls locked into
     # iterations (steps at an irregular rhythm lock late) no iteration
     # look can run, so this one does, and names the straggler from the
     # calls. A healthy dense job, one rank 10% busier and a stall, still

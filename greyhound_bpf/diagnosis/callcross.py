@@ -33,12 +33,13 @@ a fault), rank s is a computation straggler when
 Only where the iterations cannot be counted in time: once the lowest
 rank's calls span SPAN_S (its pace known), and only while it made fewer
 than MIN_ARRIVALS collectives over SPAN_S (what the early look needs over
-that span), or while no rank's calls have locked into iterations at all
+that span), or while some rank's calls have not locked into iterations
 (`locked`): a job dense in collectives whose steps come at an irregular
 rhythm locks late (examples/adaptive_averaging.py, a parameter average
-every 8-13 steps: 20-25 s after an attach), and until it has, no look of
-the iterations' can run (one whose KEEP latest collectives span less than
-SPAN_S is still left to them). Not under an uneven split of the work (a plan in
+every 8-13 steps: some ranks 20-30 s after an attach), and until every
+rank has, no look of the iterations' can run, as they compare every
+rank's (a job whose KEEP latest collectives span less than SPAN_S is
+still left to them). Not under an uneven split of the work (a plan in
 force), nor over calls Greyhound's own activity overlapped. (Across nodes
 an agent shares the calls of sparse ranks only; a dense job's are judged
 by each node's own analysis.) Only blocking collectives
@@ -114,11 +115,11 @@ class CallCross:
         if uneven != self._uneven:
             self._uneven, self.streak.looks = uneven, []
 
-    def locked(self, any_rank: bool) -> None:
-        """Whether any rank's calls have locked into iterations (the
-        analysis says, before each batch of calls): until one has, a job
+    def locked(self, every_rank: bool) -> None:
+        """Whether every rank's calls have locked into iterations (the
+        analysis says, before each batch of calls): until they have, a job
         dense in collectives is looked at call by call too."""
-        self._locked = any_rank
+        self._locked = every_rank
 
     def feed(self, recs: np.ndarray, rank_of: dict[int, int | None]) -> list[Diagnosis]:
         if len(recs) == 0:
