@@ -309,8 +309,8 @@ class JobAnalysis:
         rank_of = self.rank_of()
         self.topology.feed(recs, rank_of)
         out = self._engine(self.pipeline.feed_records(recs, rank_of))
-        self.callcross.locked(all(rs.estimator.state == "locked"
-                                  for rs in self.pipeline.ranks.values()))
+        self.callcross.locked({rs.rank: rs.estimator.state == "locked"
+                               for rs in self.pipeline.ranks.values()})
         return out + self._verdicts(self.bandwidth.feed(recs, rank_of) +
                                     self.callcross.feed(recs, rank_of), inp.t_ns)
 
@@ -422,6 +422,8 @@ class JobAnalysis:
         by what it causes downstream."""
         out = []
         for kind, fields, t_ns in found:
+            if kind == "iteration":
+                self.callcross.iteration(fields.get("rank"), fields["start_ns"], t_ns)
             ev = self._event(kind, t_ns, **fields)
             out += [ev] + self._observe(ev)
         return out

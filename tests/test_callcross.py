@@ -118,16 +118,44 @@ def test_a_dense_job_not_every_rank_has_locked_on_is_looked_at_call_by_call():
     slow = job({0: 300, 1: 300, 2: 900}, 40, calls=10)
     assert feed(CallCross(CAT), slow) == []
     cc = CallCross(CAT)
-    cc.locked(False)
+    cc.locked({0: False, 1: False, 2: False})
     got = feed(cc, slow)
     assert [(v.cause, v.ranks, v.details["calls"]) for v in got] == [
         ("computation", (2,), True)]
     assert got[0].details["at_ns"] < 15 * S
     cc = CallCross(CAT)
-    cc.locked(False)
+    cc.locked({0: False, 1: False, 2: False})
     assert feed(cc, job({0: 330, 1: 300, 2: 300}, 150, calls=10, jitter=0.2, seed=5,
                         stall=(1, 50, 3000))) == []
     assert cc.last is not None and cc.last["collectives"] >= 24     # it did look
+
+
+def fed_with_iterations(cc, recs, covered: float):
+    """`feed`, every rank locked, each half second's calls after the
+    iterations that ended in it: iterations covering `covered` of each
+    second (a pattern locked on one length of a cycle counts only some)."""
+    cc.locked({0: True, 1: True, 2: True})
+    ends = recs["start_ns"] + recs["dur_ns"]
+    out, t = [], S // 2
+    while len(recs):
+        if t % S == 0:
+            for r in range(3):
+                cc.iteration(r, t - S, t - S + int(covered * S))
+        m = ends <= t
+        if m.any():
+            out += cc.feed(recs[m], {100 + r: r for r in range(3)})
+        recs, ends, t = recs[~m], ends[~m], t + S // 2
+    return out
+
+
+def test_a_dense_job_whose_iterations_count_little_of_its_time_is_looked_at_call_by_call():
+    # Every rank locked, but on one length of an irregular cycle: its
+    # iterations cover 60% of the time (the drift-triggered averaging's
+    # tries), too few for the iterations' looks, so this one runs; where
+    # they cover it all, it does not.
+    slow = job({0: 300, 1: 300, 2: 900}, 40, calls=10)
+    assert [v.ranks for v in fed_with_iterations(CallCross(CAT), slow, 0.6)] == [(2,)]
+    assert fed_with_iterations(CallCross(CAT), slow, 1.0) == []
 
 
 def test_subgroups_are_not_compared():

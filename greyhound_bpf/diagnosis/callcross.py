@@ -33,13 +33,16 @@ a fault), rank s is a computation straggler when
 Only where the iterations cannot be counted in time: once the lowest
 rank's calls span SPAN_S (its pace known), and only while it made fewer
 than MIN_ARRIVALS collectives over SPAN_S (what the early look needs over
-that span), or while some rank's calls have not locked into iterations
-(`locked`): a job dense in collectives whose steps come at an irregular
-rhythm locks late (examples/adaptive_averaging.py, a parameter average
-every 8-13 steps: some ranks 20-30 s after an attach), and until every
-rank has, no look of the iterations' can run, as they compare every
-rank's (a job whose KEEP latest collectives span less than SPAN_S is
-still left to them). Not under an uneven split of the work (a plan in
+that span), or while some rank's iterations are not counted (`locked`,
+`iteration`): its calls not locked into iterations, or its iterations
+covering under COUNTED of the look's span. A job dense in collectives
+whose steps come at an irregular rhythm locks late
+(examples/adaptive_averaging.py, a parameter average every 8-13 steps:
+some ranks 20-30 s after an attach), or locks on one length of its
+cycle and counts only the cycles of that length; until every rank's
+iterations are counted, the iterations' looks, which compare every
+rank's, cannot judge it (a job whose KEEP latest collectives span less
+than SPAN_S is still left to them). Not under an uneven split of the work (a plan in
 force), nor over calls Greyhound's own activity overlapped. (Across nodes
 an agent shares the calls of sparse ranks only; a dense job's are judged
 by each node's own analysis.) Only blocking collectives
@@ -85,6 +88,14 @@ KEEP = 96             # collectives kept per rank
 # evidence to span (a busy host's burst on one rank, seconds long, is
 # diluted in it, where a fault's excess is not).
 SPAN_S = WINDOW_S + MIN_S
+# A locked rank's iterations count its time when they cover this share of
+# the look's span at least. Set on bench_tries' recordings of the
+# drift-triggered averaging (seed 569): locked 1.2 s after the attach on a
+# 13-call cycle, its ranks' iterations covered about 60% of their time
+# (only the cycles of that length), too few for the iterations' looks; a
+# pattern that fits covers all of it. Over the corpus (both splits) this
+# bar changed two verdicts, both sooner and right.
+COUNTED = 0.7
 # Looks in a row without a straggler before a named one may be named again
 # (the cross-section's `looks`).
 QUIET_LOOKS = 3
@@ -105,7 +116,8 @@ class CallCross:
         self._looked: int | None = None      # the end of the last look's window
         self._share = False                  # keep what `shared` gives (an agent asks)
         self._shared: dict[int, list[tuple]] = {}
-        self._locked = True                  # as the controller's: it is sent iterations
+        self._locked: dict | None = None     # rank -> locked; None: never told (a controller)
+        self._its: dict[int | None, deque] = {}   # rank -> its latest iterations' (start, end)
 
     def work(self, microbatches: dict[int, int | None] | None) -> None:
         """An uneven split of the work (a plan in force) stops the looks: a
@@ -115,11 +127,30 @@ class CallCross:
         if uneven != self._uneven:
             self._uneven, self.streak.looks = uneven, []
 
-    def locked(self, every_rank: bool) -> None:
-        """Whether every rank's calls have locked into iterations (the
-        analysis says, before each batch of calls): until they have, a job
-        dense in collectives is looked at call by call too."""
-        self._locked = every_rank
+    def locked(self, ranks: dict[int | None, bool]) -> None:
+        """Per rank, whether its calls have locked into iterations (the
+        analysis says, before each batch of calls): until every rank's
+        iterations are counted, a job dense in collectives is looked at
+        call by call too. A CallCross never told (the controller's, which
+        is sent iterations) takes them as counted."""
+        self._locked = dict(ranks)
+
+    def iteration(self, rank: int | None, start_ns: int, end_ns: int) -> None:
+        """One of a rank's iterations, as the engine found it."""
+        q = self._its.setdefault(rank, deque())
+        q.append((start_ns, end_ns))
+        while q and q[0][1] < end_ns - SPAN_S * 1e9:
+            q.popleft()
+
+    def _counted(self, now_ns: int) -> bool:
+        """Every rank locked, its iterations covering COUNTED of the
+        SPAN_S before now_ns."""
+        if self._locked is None:
+            return True
+        lo = now_ns - SPAN_S * 1e9
+        return all(ok and sum(max(0, min(e, now_ns) - max(s, lo))
+                              for s, e in self._its.get(r, ())) >= COUNTED * SPAN_S * 1e9
+                   for r, ok in self._locked.items())
 
     def feed(self, recs: np.ndarray, rank_of: dict[int, int | None]) -> list[Diagnosis]:
         if len(recs) == 0:
@@ -196,8 +227,9 @@ class CallCross:
         if not mine:
             return None
         end = mine[-1][2]
-        if end - mine[0][1] < SPAN_S * 1e9 or (self._locked and
-                sum(x[1] >= end - SPAN_S * 1e9 for x in mine) >= MIN_ARRIVALS):
+        if end - mine[0][1] < SPAN_S * 1e9 or (
+                sum(x[1] >= end - SPAN_S * 1e9 for x in mine) >= MIN_ARRIVALS
+                and self._counted(end)):
             return None             # its pace unknown yet, or the iterations' looks will do
         idx = {r: list(x) for r, x in self.calls.items()}
         idx[lead] = mine
