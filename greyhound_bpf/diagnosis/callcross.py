@@ -42,12 +42,12 @@ some ranks 20-30 s after an attach), or locks on one length of its
 cycle and counts only the cycles of that length; until every rank's
 iterations are counted, the iterations' looks, which compare every
 rank's, cannot judge it (a job whose KEEP latest collectives span less
-than SPAN_S is still left to them). Not under an uneven split of the work (a plan in
-force), nor over calls Greyhound's own activity overlapped. (Across nodes
-an agent shares the calls of sparse ranks only; a dense job's are judged
-by each node's own analysis.) Only blocking collectives
-count (gloo's): an NCCL call only enqueues, and its host-side time says
-nothing of who arrived last.
+than SPAN_S is still left to them). Not under an uneven split of the
+work (a plan in force), nor over calls Greyhound's own activity
+overlapped. (Across nodes an agent shares the calls of sparse ranks only;
+a dense job's are judged by each node's own analysis.) Only blocking
+collectives count (gloo's): an NCCL call only enqueues, and its host-side
+time says nothing of who arrived last.
 """
 from __future__ import annotations
 
